@@ -1,0 +1,76 @@
+"""The recipe's training-step math, shared by the trainer and the equivalence tests.
+
+Each function is one upstream rule (cosmos-framework, see ``shared/upstream/cosmos_framework.md`` §3-§4):
+flow-matching loss normalisation, grad clipping with ``force_finite``, the warm-up + cosine schedule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def flow_matching_inputs(
+    x0: torch.Tensor, noise: torch.Tensor, sigma: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rectified-flow interpolation: ``x_t = (1 - sigma) x0 + sigma noise`` and velocity ``v = noise - x0``.
+
+    Shapes: ``x0``, ``noise`` any equal shape (a latent, [1, 48, T, H, W]); ``sigma`` in [0, 1].
+    """
+    xt = (1.0 - sigma) * x0 + sigma * noise
+    return xt, noise - x0
+
+
+def micro_batch_loss(
+    preds: list[torch.Tensor], targets: list[torch.Tensor], loss_scale: float, grad_accum_iter: int
+) -> torch.Tensor:
+    """The loss one micro-batch backwards: ``loss_scale * mean_i(mean((pred_i - v_i)^2)) / grad_accum_iter``.
+
+    Upstream (``flow_matching.py``; trainer ``loss / grad_accum_iter``): a per-sample mean squared error
+    (computed in fp32), averaged over the micro-batch's samples -- not per token -- times the loss scale,
+    then divided by the number of accumulated micro-batches. Returns a 0-d fp32 tensor.
+
+    Raises:
+        ValueError: no samples, or ``grad_accum_iter`` < 1.
+    """
+    if not preds or len(preds) != len(targets):
+        raise ValueError(f"need one target per prediction, got {len(preds)} predictions, {len(targets)} targets")
+    if grad_accum_iter < 1:
+        raise ValueError(f"grad_accum_iter must be >= 1, got {grad_accum_iter}")
+    per_sample = torch.stack([(p.float() - t.float()).pow(2).mean() for p, t in zip(preds, targets)])
+    return loss_scale * per_sample.mean() / grad_accum_iter
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, force_finite: bool = True) -> torch.Tensor:
+    """Upstream ``GradClip``: total 2-norm over all gradients; non-finite -> ``nan_to_num`` first; then clip.
+
+    Returns the total norm before clipping (0-d tensor).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if force_finite and not torch.isfinite(total):
+        for g in grads:
+            torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+        total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+        if hasattr(total, "full_tensor"):
+            total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total, foreach=True)
+    return total
+
+
+def warmup_cosine(step: int, warm_up: int, cycle_length: int, f_start: float, f_max: float, f_min: float) -> float:
+    """Upstream ``LambdaWarmUpCosineScheduler`` multiplier at optimizer step ``step`` (one cycle).
+
+    Linear ``f_start -> f_max`` over ``warm_up`` steps, then cosine ``f_max -> f_min`` until ``cycle_length``;
+    ``f_min`` afterwards.
+    """
+    if step < warm_up:
+        return f_start + (f_max - f_start) * step / max(warm_up, 1)
+    t = min((step - warm_up) / max(cycle_length - warm_up, 1), 1.0)
+    return f_min + 0.5 * (f_max - f_min) * (1.0 + math.cos(t * math.pi))

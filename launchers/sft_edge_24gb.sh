@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Cosmos3-Edge vision SFT on ONE 24 GB GPU (the 8xH100 recipe vision_sft_edge, same effective batch).
+#
+#   COSMOS_EMA_CPU_SUBSET=1 COSMOS_VAE_CPU_OFFLOAD=1 bash launchers/sft_edge_24gb.sh [trainer args]
+#
+# Recipe:  default  toml/vision_sft_edge_24gb.toml          (cap 12288, grad_accum_iter 61, EMA on)
+#          MEMTEST=1 toml/vision_sft_edge_24gb_memtest.toml (grad_accum_iter 2, EMA off: memory smoke)
+#          EMAVAL=1  toml/vision_sft_edge_24gb_emaval.toml  (cap 6144, grad_accum_iter 2, EMA on)
+# Reads, like upstream's launchers: NPROC_PER_NODE (default 1), MASTER_PORT (50012), NNODES (1),
+# NODE_RANK (0), MASTER_ADDR (127.0.0.1), DATASET_PATH, BASE_CHECKPOINT_PATH, WAN_VAE_PATH, OUTPUT_ROOT.
+# Without COSMOS_FRAMEWORK_ROOT the embedded reference trainer runs (tiny preset on a machine without a
+# GPU, the full edge preset on a GPU). Trailing arguments go to the trainer (e.g. --max-iter 3).
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python}"
+
+as_bool() {  # as_bool NAME VALUE -> prints 1 or 0, or fails with one clear line
+  case "${2,,}" in
+    1|true|yes) echo 1 ;;
+    0|false|no|"") echo 0 ;;
+    *) echo "error: $1=$2 is not a boolean: use 1/0/true/false/yes/no, or unset it" >&2; return 2 ;;
+  esac
+}
+memtest="$(as_bool MEMTEST "${MEMTEST:-}")" || exit 2
+emaval="$(as_bool EMAVAL "${EMAVAL:-}")" || exit 2
+if [[ "$memtest" == 1 && "$emaval" == 1 ]]; then
+  echo "error: MEMTEST=1 and EMAVAL=1 select different recipes: set only one" >&2
+  exit 2
+fi
+toml="$here/toml/vision_sft_edge_24gb.toml"
+[[ "$memtest" == 1 ]] && toml="$here/toml/vision_sft_edge_24gb_memtest.toml"
+[[ "$emaval" == 1 ]] && toml="$here/toml/vision_sft_edge_24gb_emaval.toml"
+TOML_FILE="${TOML_FILE:-$toml}"
+
+if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
+  echo "error: COSMOS_FRAMEWORK_ROOT is set, but driving an upstream cosmos-framework checkout is not" \
+       "supported by this version yet; unset it to run the embedded reference trainer" >&2
+  exit 2
+fi
+
+for v in NPROC_PER_NODE NNODES NODE_RANK MASTER_PORT; do
+  val="${!v:-}"
+  if [[ -n "$val" && ! "$val" =~ ^[0-9]+$ ]]; then
+    echo "error: $v=$val is not a whole number" >&2
+    exit 2
+  fi
+done
+export DATASET_PATH="${DATASET_PATH:-}" BASE_CHECKPOINT_PATH="${BASE_CHECKPOINT_PATH:-}" WAN_VAE_PATH="${WAN_VAE_PATH:-}"
+export OUTPUT_ROOT="${OUTPUT_ROOT:-outputs/train}"
+export PYTHONUNBUFFERED=1
+
+exec "$PYTHON" -m torch.distributed.run \
+  --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
+  --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-50012}" \
+  -m cosmos_framework_ext.train --sft-toml="$TOML_FILE" "$@"

@@ -1,0 +1,117 @@
+"""A tiny, deterministic run of the real training step (CPU, fp32), shared by the equivalence proofs.
+
+It goes through the trainer's own code: ``build_packed_inputs`` (packed joint sequence, segment masks),
+``micro_batch_loss`` (the recipe's normalisation), ``clip_grad_norm`` and AdamW with the recipe's betas/eps.
+Inputs are random latents, so no dataset or VAE is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Callable, Iterator
+
+import torch
+
+from cosmos_framework_ext import attention
+from cosmos_framework_ext.attention import build_packed_inputs
+from cosmos_framework_ext.presets import build_transformer, get_preset, select_trainable
+from cosmos_framework_ext.recipe import clip_grad_norm, flow_matching_inputs, micro_batch_loss
+
+KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
+GRAD_ACCUM = 2
+
+
+def make_model(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """The tiny Cosmos3 preset, random init from ``seed`` (on the CPU, then moved), trainable subset selected
+    as the recipe does. Returns (model, trainable names)."""
+    torch.manual_seed(seed)
+    model = build_transformer(get_preset("tiny")).to(device, dtype)
+    names = [n for n, _ in model.named_parameters()]
+    trainable = select_trainable(names, KEYS)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in set(trainable))
+    attention.install(model)
+    return model, trainable
+
+
+def micro_batch(iteration: int, micro: int, n_samples: int = 2):
+    """Deterministic packed micro-batch: per sample (text ids, clean latent [1,48,T,H,W], sigma, noise)."""
+    g = torch.Generator().manual_seed(1000 * iteration + micro)
+    samples = []
+    for i in range(n_samples):
+        t, h, w = 2 + i, 4, 2 + 2 * i
+        ids = torch.randint(0, 1000, (5 + i,), generator=g).tolist()
+        x0 = torch.randn(1, 48, t, h, w, generator=g)
+        noise = torch.randn(1, 48, t, h, w, generator=g)
+        sigma = float(torch.rand((), generator=g))
+        samples.append((ids, x0, sigma, noise))
+    return samples
+
+
+def loss_of(model: torch.nn.Module, samples, grad_accum: int = GRAD_ACCUM, loss_fn=micro_batch_loss) -> torch.Tensor:
+    """Forward one packed micro-batch and return the loss the trainer would backward."""
+    ref = next(model.parameters())
+    xt, targets = [], []
+    for _, x0, sigma, noise in samples:
+        a, v = flow_matching_inputs(x0.to(ref.device), noise.to(ref.device), sigma)
+        xt.append(a.to(ref.dtype))
+        targets.append(v)
+    sigmas = torch.tensor([s[2] for s in samples])
+    kwargs, segs = build_packed_inputs(model.config, [s[0] for s in samples], xt, sigmas, [24.0] * len(samples),
+                                       ref.device)
+    proc = model.layers[0].self_attn.processor
+    proc.segments = segs
+    try:
+        preds = model(**kwargs).sample
+    finally:
+        proc.segments = None
+    return loss_fn(preds, targets, 10.0, grad_accum)
+
+
+def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, betas=(0.9, 0.95),
+                             eps=1e-6, weight_decay=0.0)
+
+
+def train(model, opt, start: int, stop: int, after_step: Callable[[int], None] | None = None) -> None:
+    """Optimizer steps ``start .. stop-1`` of the recipe; ``after_step(iteration)`` runs after each step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    for iteration in range(start, stop):
+        for micro in range(GRAD_ACCUM):
+            loss_of(model, micro_batch(iteration, micro)).backward()
+        clip_grad_norm(params, 0.1, True)
+        opt.step()
+        if after_step is not None:
+            after_step(iteration)
+        opt.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------- several ranks on the CPU (gloo, spawn)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
+    """This spawned process as ``rank`` of a gloo process group, torn down on exit."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def make_fsdp_model() -> tuple[torch.nn.Module, list[str]]:
+    """:func:`make_model`, then FSDP2 per decoder layer and at the root (CPU offload policy, as CPU FSDP2 needs)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    model, trainable = make_model()
+    for layer in model.layers:
+        fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    return model, trainable

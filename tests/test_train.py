@@ -1,0 +1,148 @@
+"""The embedded trainer as a user meets it: bad input fails cleanly, checkpoints resume exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosmos_framework_ext import train
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "toml" / "vision_sft_edge_24gb.toml"
+
+
+def small_toml(tmp_path: Path, **edits: str) -> Path:
+    """The 24 GB recipe with its CPU-smoke values shrunk further (and ``edits`` applied as line swaps)."""
+    text = RECIPE.read_text()
+    text = text.replace("cpu_max_iter            = 3", "cpu_max_iter            = 4")
+    text = text.replace("cpu_grad_accum_iter     = 2", "cpu_grad_accum_iter     = 1")
+    text = text.replace("cpu_max_sequence_length = 1228", "cpu_max_sequence_length = 300")
+    text = text.replace("save_iter            = 100", "save_iter            = 2")
+    for old, new in edits.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    path = tmp_path / "recipe.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture()
+def env(tmp_path, monkeypatch, sample_dataset):
+    monkeypatch.setenv("OUTPUT_ROOT", str(tmp_path / "out"))
+    monkeypatch.setenv("DATASET_PATH", str(sample_dataset))
+    monkeypatch.setenv("COSMOS_EMA_CPU_SUBSET", "1")
+    monkeypatch.setenv("COSMOS_VAE_CPU_OFFLOAD", "1")
+    for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def run_main(args, capsys):
+    rc = train.main(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "setup, needle",
+    [
+        (lambda t, m: m.setenv("COSMOS_EMA_CPU_SUBSET", "maybe"), "COSMOS_EMA_CPU_SUBSET='maybe' is not a boolean"),
+        (lambda t, m: m.setenv("DATASET_PATH", str(t / "nowhere")), "DATASET_PATH="),
+        (lambda t, m: m.setenv("BASE_CHECKPOINT_PATH", str(t / "no.pt")), "BASE_CHECKPOINT_PATH="),
+        (lambda t, m: m.setenv("WAN_VAE_PATH", str(t / "novae")), "WAN_VAE_PATH="),
+    ],
+    ids=["bad-flag-value", "missing-dataset", "missing-checkpoint", "missing-vae"],
+)
+def test_bad_environment_fails_with_one_line_and_writes_nothing(env, monkeypatch, capsys, setup, needle):
+    setup(env, monkeypatch)
+    rc, out, err = run_main(["--sft-toml", str(small_toml(env))], capsys)
+    assert rc == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    assert not (env / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        ({'keys_to_select = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]':
+          "keys_to_select = []"}, "keys_to_select is empty"),
+        ({'keys_to_select = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]':
+          'keys_to_select = ["moe_gen", "no_such_module"]'}, "'no_such_module' matches no parameter"),
+        ({"max_caption_tokens  = 2048": "max_caption_tokens  = 2048\nmax_caption_tokenz = 1"},
+         "unknown key(s) ['max_caption_tokenz'] in [dataloader_train]"),
+        ({"[onecard]": "[onecard]\n[mystery]\nx = 1\n[onecard2]"}, "unknown table [mystery]"),
+        ({"rate            = 0.1": "rate            = 0.9"}, "EMA rate 0.9 is outside"),
+    ],
+    ids=["empty-keys", "keys-match-nothing", "unknown-key", "unknown-table", "bad-ema-rate"],
+)
+def test_bad_toml_fails_with_one_line_and_writes_nothing(env, capsys, edit, needle):
+    rc, out, err = run_main(["--sft-toml", str(small_toml(env, **edit))], capsys)
+    assert rc == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and needle in lines[0], err
+    assert not (env / "out").exists()
+
+
+def test_missing_toml(env, capsys):
+    rc, _, err = run_main(["--sft-toml", str(env / "missing.toml")], capsys)
+    assert rc == 2 and "does not exist" in err
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [({"MEMTEST": "sure"}, "MEMTEST=sure is not a boolean"),
+     ({"MEMTEST": "1", "EMAVAL": "1"}, "set only one"),
+     ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE=two is not a whole number")],
+    ids=["bad-memtest", "memtest-and-emaval", "bad-nproc"],
+)
+def test_launcher_refuses_bad_variables(tmp_path, extra, needle):
+    e = {k: v for k, v in os.environ.items() if k not in ("MEMTEST", "EMAVAL", "COSMOS_FRAMEWORK_ROOT")}
+    e.update(extra, OUTPUT_ROOT=str(tmp_path / "out"))
+    r = subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], env=e, capture_output=True, text=True)
+    assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------- the main job
+def _final(out_root: Path) -> dict:
+    job = out_root / "cosmos3" / "sft" / "vision_sft_edge_24gb"
+    return json.loads((job / "summary.json").read_text())
+
+
+def test_main_job_summary_and_checkpoint(env, capsys):
+    rc, out, err = run_main(["--sft-toml", str(small_toml(env))], capsys)
+    assert rc == 0, err
+    assert out.splitlines()[0].startswith("onecard: preset tiny on CPU (no GPU found)")
+    s = _final(env / "out")
+    assert s["steps"] == 4 and s["drops"] == 0 and s["ema"]["kind"] == "CpuSubsetEMA"
+    assert s["ema"]["num_updates"] == 4 and 0 < s["ema"]["last_beta"] < 1
+    for key in ("samples_per_optimizer_step", "peak_gpu_gib", "peak_host_rss_gib", "pinned_bytes", "checkpoint"):
+        assert key in s
+    blob = torch.load(s["checkpoint"], map_location="cpu", weights_only=False)
+    net = {k[4:] for k in blob["model"] if k.startswith("net.")}
+    ema = {k[8:]: v for k, v in blob["model"].items() if k.startswith("net_ema.")}
+    assert net == set(ema) and all(v.dtype == torch.float32 for v in ema.values())
+    assert not list((env / "out").rglob(".*.tmp-*"))  # no temp files left behind
+
+
+def test_resume_continues_exactly(env, monkeypatch, capsys):
+    toml = str(small_toml(env))
+    monkeypatch.setenv("OUTPUT_ROOT", str(env / "straight"))
+    assert run_main(["--sft-toml", toml], capsys)[0] == 0
+    monkeypatch.setenv("OUTPUT_ROOT", str(env / "resumed"))
+    assert run_main(["--sft-toml", toml, "--max-iter", "2"], capsys)[0] == 0
+    rc, out, _ = run_main(["--sft-toml", toml], capsys)
+    assert rc == 0 and "resumed from" in out
+    a = torch.load(_final(env / "straight")["checkpoint"], map_location="cpu", weights_only=False)
+    b = torch.load(_final(env / "resumed")["checkpoint"], map_location="cpu", weights_only=False)
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["iteration"] == b["iteration"] == 4
+    assert a["micro_batches_consumed"] == b["micro_batches_consumed"]
