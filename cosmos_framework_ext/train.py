@@ -32,8 +32,10 @@ import torch
 
 from patches import flags as flagmod
 from patches.host_arena import pinned_bytes_total
+from patches.sampler import MemorySampler
 
 from . import attention, config as cfgmod, data as datamod, packing
+from .ledger import cosmos_ledger, summary_line
 from .ema import CpuSubsetEMA, StockEMA, canonical_name, power_ema_beta, power_ema_gamma
 from .presets import build_transformer, build_vae, get_preset, select_trainable
 from .recipe import clip_grad_norm, flow_matching_inputs, micro_batch_loss, warmup_cosine
@@ -209,6 +211,15 @@ def _load_vae_weights(vae: torch.nn.Module, vae_path: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train as ``args`` and the environment say; returns the summary (also written as ``summary.json``).
+
+    Background helpers (memory sampler, EMA worker) are stopped whether the run ends or raises.
+    """
+    with contextlib.ExitStack() as stack:
+        return _run(args, stack)
+
+
+def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
     cfg = cfgmod.load(args.sft_toml)
     env_flags = flagmod.read_all()
     ema_lever = env_flags[flagmod.EMA_CPU_SUBSET.name]
@@ -255,6 +266,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{flagmod.EMA_CPU_SUBSET.name}={int(ema_lever)} {flagmod.VAE_CPU_OFFLOAD.name}={int(vae_lever)}",
             flush=True,
         )
+    ledger = cosmos_ledger(cfg, preset.name, env_flags, world_size=world, device_type=device.type, cap=cap)
+    if main_rank:
+        budget = None
+        if device.type == "cuda":
+            budget = (int(float(os.environ.get("ONECARD_GPU_MEMORY_GIB") or 0) * GiB)
+                      or torch.cuda.get_device_properties(device).total_memory)
+        print(ledger.format(budget), flush=True)
+    if args.validate_only:
+        return {"validated": True}
 
     seed = cfg.get("onecard", "seed")
     out_root = Path(os.environ.get("OUTPUT_ROOT") or "outputs/train")
@@ -342,6 +362,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if ema_lever:
             ema = CpuSubsetEMA(model, trainable)
             ema.attach_optimizer(opt)
+            stack.callback(ema.close)
         else:
             ema = StockEMA(model)
     elif ema_lever and main_rank:
@@ -375,6 +396,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"EMA {'off' if ema is None else ('CPU subset (lever)' if ema_lever else 'stock full fp32 clone on ' + str(device))}; "
               f"dataset {ds_root} ({len(records)} rows); cap {cap}, grad_accum_iter {ga}")
 
+    if start_iter >= max_iter:
+        if main_rank:
+            print(f"onecard: nothing to do: {ckpt} is already at iteration {start_iter} >= max_iter {max_iter}; "
+                  "pass --max-iter N (N > that) to train further")
+        return json.loads((out_dir / "summary.json").read_text()) if (out_dir / "summary.json").is_file() else {}
     loss_scale = cfg.get("onecard", "loss_scale")
     gc = cfg["trainer.callbacks.grad_clip"]
     it = iter(loader)
@@ -384,10 +410,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    mem = MemorySampler(device, interval_s=float(os.environ.get("ONECARD_SAMPLE_S") or 0.5)).start()
+    stack.callback(mem.stop)
     peak_rss = _host_rss()
     step_times: list[float] = []
     samples_per_step: list[int] = []
     ema_wait_s: list[float] = []
+    micro_times: list[float] = []
     last_loss = float("nan")
     beta = 0.0
     ckpt_path: Path | None = None
@@ -399,10 +428,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         n_samples = 0
         loss_sum = 0.0
         for micro in range(ga):
+            tm = time.perf_counter()
             batch = next(it)
             consumed += 1
             n_samples += len(batch)
-            with (offload.on_device() if offload else contextlib.nullcontext()), torch.no_grad():
+            with mem.phase("encode"), (offload.on_device() if offload else contextlib.nullcontext()), torch.no_grad():
                 x0 = [encode_latents(vae, s.video.unsqueeze(0).to(device, vae_dtype)).float() for s in batch]
             sigmas, noise = _sample_noise(seed, iteration, micro, [x.shape for x in x0])
             xt, targets = [], []
@@ -414,24 +444,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kwargs, proc.segments = attention.build_packed_inputs(
                 model.config, text, xt, sigmas, [s.record.fps for s in batch], device
             )
-            preds = model(**kwargs).sample
-            loss = micro_batch_loss(preds, targets, loss_scale, ga)
-            loss.backward()
+            with mem.phase("forward"):
+                preds = model(**kwargs).sample
+                loss = micro_batch_loss(preds, targets, loss_scale, ga)
+            with mem.phase("backward"):
+                loss.backward()
             loss_sum += float(loss.detach())
             proc.segments = None
-        clip_grad_norm(params, gc["clip_norm"], gc["force_finite"])
-        if isinstance(ema, CpuSubsetEMA):
-            ema_wait_s.append(ema.synchronize())  # the previous host lerp, if the micro-batches did not hide it
-        opt.step()
-        sched.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            micro_times.append(time.perf_counter() - tm)
+        # EMA on the critical path: for the lever, waiting for the previous host lerp (if the micro-batches
+        # did not hide it) plus issuing the copies; for stock, the GPU update itself.
+        wait = ema.synchronize() if isinstance(ema, CpuSubsetEMA) else 0.0
+        with mem.phase("optimizer"):
+            clip_grad_norm(params, gc["clip_norm"], gc["force_finite"])
+            opt.step()
+            sched.step()
         if ema is not None:
             beta = power_ema_beta(iteration, gamma, ema_cfg["iteration_shift"])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             te = time.perf_counter()
-            ema.step(model, beta)
-            if isinstance(ema, StockEMA):
-                if device.type == "cuda":
+            with mem.phase("ema"):
+                ema.step(model, beta)
+                if isinstance(ema, StockEMA) and device.type == "cuda":
                     torch.cuda.synchronize(device)
-                ema_wait_s.append(time.perf_counter() - te)
+            ema_wait_s.append(wait + time.perf_counter() - te)
         opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -440,15 +479,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         last_loss = loss_sum
         peak_rss = max(peak_rss, _host_rss())
         peak_gib = torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else 0.0
-        bar.update(1)
         bar.set_postfix(step=iteration + 1, loss=f"{last_loss:.4f}", s_step=f"{step_times[-1]:.2f}",
-                        peak_gib=f"{peak_gib:.2f}", ema_beta=f"{beta:.4f}" if ema is not None else "off")
+                        peak_gib=f"{peak_gib:.2f}", ema_beta=f"{beta:.4f}" if ema is not None else "off",
+                        refresh=False)
+        bar.update(1)
         done = iteration + 1
-        if done % cfg.get("checkpoint", "save_iter") == 0 or done == max_iter:
-            ckpt_path = _save(out_dir, done, consumed, model, ema, opt, sched, main_rank)
+        if not args.no_save and (done % cfg.get("checkpoint", "save_iter") == 0 or done == max_iter):
+            with mem.phase("checkpoint"):
+                ckpt_path = _save(out_dir, done, consumed, model, ema, opt, sched, main_rank)
     bar.close()
     if ema is not None:
         ema.synchronize()
+    mem.stop()
+    timeline = mem.write(out_dir) if main_rank else {}
 
     summary = {
         "preset": preset.name,
@@ -466,12 +509,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                          "critical_path_s_median": _median(ema_wait_s)},
         "vae_offload": None if offload is None else dict(offload.stats),
         "s_per_step_median": _median(step_times[1:] or step_times),
+        "s_per_micro_batch_median": _median(micro_times[ga:] or micro_times),
+        "ledger": summary_line(ledger),
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else 0.0,
         "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if device.type == "cuda" else 0.0,
         "peak_host_rss_gib": peak_rss / GiB,
         "pinned_bytes": pinned_bytes_total(),
         "checkpoint": str(ckpt_path) if ckpt_path else None,
         "flags": env_flags,
+        "memory": mem.peaks(),
+        "timeline": {k: str(v) for k, v in timeline.items()},
         "init": init_note,
     }
     if main_rank:
@@ -510,6 +557,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m cosmos_framework_ext.train", description=__doc__.split("\n")[0])
     ap.add_argument("--sft-toml", required=True, help="recipe TOML (upstream SFT schema + [onecard])")
     ap.add_argument("--max-iter", type=int, default=0, help="override [trainer].max_iter (0 = keep)")
+    ap.add_argument("--no-save", action="store_true", help="write no checkpoint (benchmarks)")
+    ap.add_argument("--validate-only", action="store_true",
+                    help="check the TOML, flags and paths, print the memory ledger, and exit (0 ok, 2 bad input)")
     return ap.parse_args(argv)
 
 

@@ -6,6 +6,8 @@
 # Recipe:  default  toml/vision_sft_edge_24gb.toml          (cap 12288, grad_accum_iter 61, EMA on)
 #          MEMTEST=1 toml/vision_sft_edge_24gb_memtest.toml (grad_accum_iter 2, EMA off: memory smoke)
 #          EMAVAL=1  toml/vision_sft_edge_24gb_emaval.toml  (cap 6144, grad_accum_iter 2, EMA on)
+# DRYRUN=1 prints the memory ledger (meta device, nothing allocated) against BUDGET_GIB (default 22.06)
+# and exits: 0 fits, 1 does not fit.
 # Reads, like upstream's launchers: NPROC_PER_NODE (default 1), MASTER_PORT (50012), NNODES (1),
 # NODE_RANK (0), MASTER_ADDR (127.0.0.1), DATASET_PATH, BASE_CHECKPOINT_PATH, WAN_VAE_PATH, OUTPUT_ROOT.
 # Without COSMOS_FRAMEWORK_ROOT the embedded reference trainer runs (tiny preset on a machine without a
@@ -19,11 +21,12 @@ as_bool() {  # as_bool NAME VALUE -> prints 1 or 0, or fails with one clear line
   case "${2,,}" in
     1|true|yes) echo 1 ;;
     0|false|no|"") echo 0 ;;
-    *) echo "error: $1=$2 is not a boolean: use 1/0/true/false/yes/no, or unset it" >&2; return 2 ;;
+    *) echo "error: $1='$2' is not a boolean: set it to one of 1/0/true/false/yes/no, or unset it" >&2; return 2 ;;
   esac
 }
 memtest="$(as_bool MEMTEST "${MEMTEST:-}")" || exit 2
 emaval="$(as_bool EMAVAL "${EMAVAL:-}")" || exit 2
+dryrun="$(as_bool DRYRUN "${DRYRUN:-}")" || exit 2
 if [[ "$memtest" == 1 && "$emaval" == 1 ]]; then
   echo "error: MEMTEST=1 and EMAVAL=1 select different recipes: set only one" >&2
   exit 2
@@ -46,11 +49,21 @@ for v in NPROC_PER_NODE NNODES NODE_RANK MASTER_PORT; do
     exit 2
   fi
 done
+if [[ "$dryrun" == 1 ]]; then
+  exec "$PYTHON" -m patches.ledger --toml "$TOML_FILE" --budget-gib "${BUDGET_GIB:-22.06}" \
+    --world-size "$(( ${NPROC_PER_NODE:-1} * ${NNODES:-1} ))"
+fi
+
 export DATASET_PATH="${DATASET_PATH:-}" BASE_CHECKPOINT_PATH="${BASE_CHECKPOINT_PATH:-}" WAN_VAE_PATH="${WAN_VAE_PATH:-}"
 export OUTPUT_ROOT="${OUTPUT_ROOT:-outputs/train}"
 export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"  # less allocator slack
 
+train=(-m cosmos_framework_ext.train --sft-toml="$TOML_FILE" "$@")
+# Check the TOML, flags and paths once in this process first (prints the memory ledger): bad input then
+# ends with the trainer's one error line and exit status 2, before torchrun wraps anything in its report.
+"$PYTHON" "${train[@]}" --validate-only >/dev/null || exit $?
 exec "$PYTHON" -m torch.distributed.run \
   --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
   --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-50012}" \
-  -m cosmos_framework_ext.train --sft-toml="$TOML_FILE" "$@"
+  "${train[@]}"

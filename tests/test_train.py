@@ -97,14 +97,20 @@ def test_missing_toml(env, capsys):
 
 @pytest.mark.parametrize(
     "extra, needle",
-    [({"MEMTEST": "sure"}, "MEMTEST=sure is not a boolean"),
+    [({"MEMTEST": "sure"}, "MEMTEST='sure' is not a boolean"),
      ({"MEMTEST": "1", "EMAVAL": "1"}, "set only one"),
-     ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE=two is not a whole number")],
-    ids=["bad-memtest", "memtest-and-emaval", "bad-nproc"],
+     ({"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE=two is not a whole number"),
+     # errors the trainer finds reach the caller as they are, not wrapped by torchrun
+     ({"COSMOS_EMA_CPU_SUBSET": "maybe"}, "COSMOS_EMA_CPU_SUBSET='maybe' is not a boolean"),
+     ({"DATASET_PATH": "/nonexistent/dataset"}, "DATASET_PATH=/nonexistent/dataset does not exist")],
+    ids=["bad-memtest", "memtest-and-emaval", "bad-nproc", "bad-lever-flag", "missing-dataset"],
 )
 def test_launcher_refuses_bad_variables(tmp_path, extra, needle):
-    e = {k: v for k, v in os.environ.items() if k not in ("MEMTEST", "EMAVAL", "COSMOS_FRAMEWORK_ROOT")}
-    e.update(extra, OUTPUT_ROOT=str(tmp_path / "out"))
+    import sys
+
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("MEMTEST", "EMAVAL", "COSMOS_FRAMEWORK_ROOT", "DATASET_PATH", "COSMOS_EMA_CPU_SUBSET")}
+    e.update(extra, OUTPUT_ROOT=str(tmp_path / "out"), PYTHON=sys.executable)
     r = subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], env=e, capture_output=True, text=True)
     assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "out").exists()
@@ -130,6 +136,9 @@ def test_main_job_summary_and_checkpoint(env, capsys):
     ema = {k[8:]: v for k, v in blob["model"].items() if k.startswith("net_ema.")}
     assert net == set(ema) and all(v.dtype == torch.float32 for v in ema.values())
     assert not list((env / "out").rglob(".*.tmp-*"))  # no temp files left behind
+    # the memory timeline sits beside the checkpoints, with per-phase peaks in the summary
+    assert Path(s["timeline"]["csv"]).is_file() and Path(s["timeline"]["png"]).is_file()
+    assert {"encode", "forward", "backward", "optimizer", "ema"} <= set(s["memory"]["phases"])
 
 
 def test_resume_continues_exactly(env, monkeypatch, capsys):
@@ -146,3 +155,7 @@ def test_resume_continues_exactly(env, monkeypatch, capsys):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["iteration"] == b["iteration"] == 4
     assert a["micro_batches_consumed"] == b["micro_batches_consumed"]
+    # once more: nothing left to do, and the finished run's summary is kept
+    before = _final(env / "resumed")
+    rc, out, _ = run_main(["--sft-toml", toml], capsys)
+    assert rc == 0 and "nothing to do" in out and _final(env / "resumed") == before

@@ -1,0 +1,151 @@
+"""The Cosmos3-Edge recipe's memory ledger (see :mod:`patches.ledger` for the table and the CLI).
+
+Exact components come from the model built on the meta device and from the dtypes the trainer uses:
+
+- weights: every parameter, in the parameter dtype (bf16 on a GPU, fp32 on the CPU);
+- gradients: the trainable subset, parameter dtype;
+- AdamW: ``exp_avg`` + ``exp_avg_sq`` per trainable parameter in its dtype, plus one 4-byte ``step``
+  tensor per trainable tensor;
+- EMA: stock = fp32 clone of every parameter on the GPU; lever = fp32 host copy of the trainable subset
+  plus a staging copy in the parameter dtype, both pinned;
+- VAE: its parameters in bf16, on the GPU (resident) or pinned on the host (lever).
+
+Activations are modelled, not counted: ``ACT_FIXED + ACT_PER_TOKEN_LAYER_HIDDEN x tokens x layers x
+hidden`` bytes with ``tokens = cap - 1`` (the fit rule is strict), full activation checkpointing. The two
+constants were fitted to two measured runs of the edge preset on an H200 (2026-11-29, both levers on):
+``MEMTEST`` at cap 12288 peaked at 16.96 GiB allocated and ``EMAVAL`` at cap 6144 at 15.96 GiB, over
+14.17 GiB of exact static components. Allocator slack (reserved over allocated) is taken as 10 %.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from patches.flags import EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
+from patches.ledger import GiB, Item, Ledger
+
+from .config import SFTConfig
+from .presets import build_transformer, build_vae, get_preset, select_trainable
+
+ACT_FIXED = int(0.79 * GiB)
+"""bytes: activation-phase transients that do not scale with tokens (fitted, see module docstring)."""
+ACT_PER_TOKEN_LAYER_HIDDEN = 2.97
+"""bytes per token x layer x hidden unit under full activation checkpointing (fitted)."""
+CUDA_CONTEXT = int(0.55 * GiB)
+"""bytes: CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator (typical on Hopper)."""
+HOST_BASELINE = int(3.0 * GiB)
+"""bytes: host RSS of the process before the levers' buffers (torch, CUDA libraries, decoded-clip cache)."""
+
+
+def _counts(preset_name: str, keys: list[str]) -> dict[str, int]:
+    preset = get_preset(preset_name)
+    model = build_transformer(preset, device="meta")
+    names = [n for n, _ in model.named_parameters()]
+    trainable = set(select_trainable(names, keys))
+    params = dict(model.named_parameters())
+    vae = build_vae(preset, device="meta")
+    return {
+        "all": sum(p.numel() for p in params.values()),
+        "train": sum(params[n].numel() for n in trainable),
+        "train_tensors": len(trainable),
+        "buffers": sum(b.numel() * 4 for b in model.buffers()),
+        "vae": sum(p.numel() for p in vae.parameters()),
+        "layers": preset.transformer["num_hidden_layers"],
+        "hidden": preset.transformer["hidden_size"],
+    }
+
+
+def cosmos_ledger(
+    cfg: SFTConfig,
+    preset_name: str,
+    flags: dict[str, bool],
+    world_size: int = 1,
+    device_type: str = "cuda",
+    cap: int | None = None,
+) -> Ledger:
+    """The ledger of one rank of the Cosmos3-Edge recipe.
+
+    Args:
+        cfg: the recipe TOML.
+        preset_name: ``edge`` or ``tiny``.
+        flags: lever flags by env-variable name (:func:`patches.flags.read_all`).
+        world_size: ranks; FSDP2 shards weights, gradients and optimizer state evenly.
+        device_type: ``cuda`` (bf16 parameters when the TOML says bfloat16) or ``cpu`` (fp32).
+        cap: packing cap to size activations for (default: the TOML's ``max_sequence_length``).
+
+    Raises:
+        ValueError: unknown preset, or ``keys_to_select`` empty / matching nothing.
+    """
+    if world_size < 1:
+        raise ValueError(f"world size {world_size} must be >= 1")
+    c = _counts(preset_name, cfg.get("optimizer", "keys_to_select"))
+    bf16 = device_type == "cuda" and cfg.get("model", "precision") == "bfloat16"
+    b = 2 if bf16 else 4
+    vae_b = 2 if device_type == "cuda" else 4
+    cap = cap or cfg.get("dataloader_train", "max_sequence_length")
+    shard = lambda n: -(-n // world_size)  # noqa: E731 - ceil division
+    ema_on = cfg.get("model.ema", "enabled")
+    ema_lever = flags.get(EMA_CPU_SUBSET.name, False)
+    vae_lever = flags.get(VAE_CPU_OFFLOAD.name, False)
+    dt = "bf16" if b == 2 else "fp32"
+
+    items = [
+        Item("weights", shard(c["all"]) * b + c["buffers"], note=f"{c['all']:,} params {dt}"
+             + (f", 1/{world_size} shard" if world_size > 1 else "")),
+        Item("gradients", shard(c["train"]) * b, note=f"trainable {c['train']:,} params {dt}"),
+        Item("AdamW state", shard(c["train"]) * 2 * b + c["train_tensors"] * 4,
+             note=f"exp_avg + exp_avg_sq {dt}, step fp32 x {c['train_tensors']} tensors"),
+    ]
+    if ema_on and ema_lever:
+        items.append(Item("EMA (CPU subset, lever)", 0, shard(c["train"]) * (4 + b), pinned=True,
+                          note=f"fp32 trainable subset + {dt} staging, pinned host"))
+    elif ema_on:
+        items.append(Item("EMA (stock, fp32 clone)", shard(c["all"]) * 4, note="every parameter, fp32, on the GPU"))
+    else:
+        items.append(Item("EMA", 0, note="disabled in the TOML"))
+    vae_bytes = c["vae"] * vae_b
+    if vae_lever:
+        items.append(Item("Wan2.2 VAE (parked, lever)", 0, vae_bytes, pinned=True,
+                          note=f"{c['vae']:,} params, on the GPU only while a micro-batch encodes"))
+    else:
+        items.append(Item("Wan2.2 VAE (resident)", vae_bytes, note=f"{c['vae']:,} params"))
+    tokens = cap - 1
+    act = ACT_FIXED + int(ACT_PER_TOKEN_LAYER_HIDDEN * tokens * c["layers"] * c["hidden"])
+    items.append(Item("activations + transients", act if device_type == "cuda" else 0, 0 if device_type == "cuda" else act,
+                      note=f"{tokens:,} tokens x {c['layers']} layers x {c['hidden']} hidden, full AC (fitted)"))
+    items.append(Item("host process baseline", 0, HOST_BASELINE, note="torch + CUDA libraries + clip cache (measured)"))
+    outside = [Item("CUDA context", CUDA_CONTEXT if device_type == "cuda" else 0, note="outside the allocator budget")]
+    levers = ", ".join(f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD) if flags.get(f.name)) or "no levers"
+    title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {cfg.get('trainer', 'grad_accum_iter')}, "
+             f"EMA {'on' if ema_on else 'off'}, {levers}, {world_size} rank(s), {device_type}")
+    return Ledger(title, items, outside)
+
+
+def what_closes_the_gap(
+    cfg: SFTConfig, preset_name: str, flags: dict[str, bool], budget: int, world_size: int = 1
+) -> str:
+    """One line naming the flag(s), or failing that the cap, that makes the run fit ``budget`` bytes."""
+    base = cosmos_ledger(cfg, preset_name, flags, world_size).gpu_reserved
+    for turn_on in ([EMA_CPU_SUBSET.name], [VAE_CPU_OFFLOAD.name], [EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name]):
+        if all(flags.get(f) for f in turn_on):
+            continue
+        trial = dict(flags, **{f: True for f in turn_on})
+        led = cosmos_ledger(cfg, preset_name, trial, world_size)
+        if led.fits(budget):
+            saved = (base - led.gpu_reserved) / GiB
+            return f"to fit: set {' '.join(f + '=1' for f in turn_on)} (saves {saved:.2f} GiB)"
+    both = dict(flags, **{EMA_CPU_SUBSET.name: True, VAE_CPU_OFFLOAD.name: True})
+    cap = cfg.get("dataloader_train", "max_sequence_length")
+    while cap > 1024:
+        cap -= 1024
+        if cosmos_ledger(cfg, preset_name, both, world_size, cap=cap).fits(budget):
+            return (f"to fit: set both levers and lower [dataloader_train].max_sequence_length to {cap}, then raise "
+                    f"grad_accum_iter to what `python -m cosmos_framework_ext.packing --cap {cap} ...` prints")
+    return "no lever or cap makes this fit: the static components alone exceed the budget; use a larger card"
+
+
+def summary_line(ledger: Ledger) -> dict[str, Any]:
+    """The ledger's totals for a summary JSON (GiB)."""
+    return {"predicted_gpu_allocated_gib": ledger.gpu_allocated / GiB,
+            "predicted_gpu_reserved_gib": ledger.gpu_reserved / GiB,
+            "predicted_pinned_gib": ledger.pinned_bytes / GiB}

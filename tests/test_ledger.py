@@ -1,0 +1,84 @@
+"""The memory ledger: exact where it claims to be, a clear error on bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosmos_framework_ext import config as cfgmod
+from cosmos_framework_ext.ledger import cosmos_ledger
+from patches import ledger as ledgermod
+from tests.equivalence import tiny_recipe as R
+
+REPO = Path(__file__).resolve().parents[1]
+TOML = REPO / "toml" / "vision_sft_edge_24gb.toml"
+LEVERS = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True}
+
+
+def _items(led):
+    return {i.name.split(" (")[0]: i for i in led.items}
+
+
+def test_tiny_ledger_equals_bytes_allocated_after_one_step():
+    """Weights, gradients and AdamW state: the ledger's bytes are the bytes that exist (CPU, fp32)."""
+    led = _items(cosmos_ledger(cfgmod.load(TOML), "tiny", LEVERS, device_type="cpu"))
+    model, _ = R.make_model()
+    opt = R.make_optimizer(model)
+    R.loss_of(model, R.micro_batch(0, 0)).backward()
+    opt.step()
+    weights = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    grads = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    state = sum(t.nbytes for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    assert led["weights"].gpu_bytes == weights
+    assert led["gradients"].gpu_bytes == grads
+    assert led["AdamW state"].gpu_bytes == state
+
+
+def test_edge_components_are_the_recipe_sizes():
+    led = _items(cosmos_ledger(cfgmod.load(TOML), "edge", {}, device_type="cuda"))
+    assert led["weights"].gpu_bytes == 3_361_198_784 * 2 + 64 * 4  # bf16 + the fp32 rotary buffer
+    assert led["gradients"].gpu_bytes == 1_414_924_992 * 2
+    assert led["EMA"].gpu_bytes == 3_361_198_784 * 4  # stock: fp32 clone of everything
+    assert led["Wan2.2 VAE"].gpu_bytes == 704_688_668 * 2
+
+
+def test_levers_move_ema_and_vae_to_pinned_host():
+    cfg = cfgmod.load(TOML)
+    stock = cosmos_ledger(cfg, "edge", {}, device_type="cuda")
+    both = cosmos_ledger(cfg, "edge", LEVERS, device_type="cuda")
+    saved = stock.gpu_allocated - both.gpu_allocated
+    assert saved == 3_361_198_784 * 4 + 704_688_668 * 2
+    assert both.pinned_bytes == 1_414_924_992 * (4 + 2) + 704_688_668 * 2
+    budget = ledgermod.parse_budget("22.06")
+    assert both.fits(budget) and not stock.fits(budget)
+
+
+def test_cli_fit_and_no_fit(capsys, monkeypatch):
+    for f in LEVERS:
+        monkeypatch.setenv(f, "1")
+    assert ledgermod.main(["--toml", str(TOML), "--budget-gib", "22.06"]) == 0
+    assert "FITS" in capsys.readouterr().out
+    for f in LEVERS:
+        monkeypatch.delenv(f)
+    assert ledgermod.main(["--toml", str(TOML), "--budget-gib", "22.06"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "to fit: set COSMOS_EMA_CPU_SUBSET=1" in out
+
+
+@pytest.mark.parametrize("budget", ["-1", "0", "abc", "nan"])
+def test_bad_budget_is_one_clear_error(capsys, budget):
+    assert ledgermod.main(["--toml", str(TOML), "--budget-gib", budget]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --budget-gib")
+
+
+def test_unknown_toml_is_one_clear_error(capsys, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TOML.read_text() + "\n[surprise]\nx = 1\n")
+    assert ledgermod.main(["--toml", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown table [surprise]" in err[0]
+    assert ledgermod.main(["--toml", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
