@@ -186,3 +186,43 @@ def load(path: str | Path) -> SFTConfig:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p} is not valid TOML: {e}") from None
     return from_dict(data, p)
+
+
+def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
+    """Write ``src`` without the ``[onecard]`` table (upstream's schema forbids unknown keys) to ``dst``.
+
+    The recipe is validated first; ``dst`` is written to a temporary name and renamed.
+
+    Raises:
+        ConfigError: ``src`` is missing, unreadable or fails the schema.
+    """
+    import tomli_w
+
+    cfg = load(src)
+    data = tomllib.loads(Path(src).read_text())
+    data.pop("onecard", None)
+    del cfg  # validated; the text keeps ${oc.env:...} for upstream's resolver
+    out = Path(dst)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.write_text(tomli_w.dumps(data))
+    os.replace(tmp, out)
+    return out
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m cosmos_framework_ext.config upstream-toml SRC DST`` (used by the launcher)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 3 or args[0] != "upstream-toml":
+        print("usage: python -m cosmos_framework_ext.config upstream-toml SRC DST", file=sys.stderr)
+        return 2
+    try:
+        write_upstream_toml(args[1], args[2])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -12,6 +12,8 @@
 # NODE_RANK (0), MASTER_ADDR (127.0.0.1), DATASET_PATH, BASE_CHECKPOINT_PATH, WAN_VAE_PATH, OUTPUT_ROOT.
 # Without COSMOS_FRAMEWORK_ROOT the embedded reference trainer runs (tiny preset on a machine without a
 # GPU, the full edge preset on a GPU). Trailing arguments go to the trainer (e.g. --max-iter 3).
+# With COSMOS_FRAMEWORK_ROOT (a cosmos-framework checkout at ed8287f or 5eee9ed) upstream's trainer runs,
+# patched in every rank; TAIL_OVERRIDES and trailing arguments are passed as Hydra overrides.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,9 +38,8 @@ toml="$here/toml/vision_sft_edge_24gb.toml"
 [[ "$emaval" == 1 ]] && toml="$here/toml/vision_sft_edge_24gb_emaval.toml"
 TOML_FILE="${TOML_FILE:-$toml}"
 
-if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
-  echo "error: COSMOS_FRAMEWORK_ROOT is set, but driving an upstream cosmos-framework checkout is not" \
-       "supported by this version yet; unset it to run the embedded reference trainer" >&2
+if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" && ! -d "${COSMOS_FRAMEWORK_ROOT}/cosmos_framework" ]]; then
+  echo "error: COSMOS_FRAMEWORK_ROOT=${COSMOS_FRAMEWORK_ROOT} is not a cosmos-framework checkout (no cosmos_framework/ in it)" >&2
   exit 2
 fi
 
@@ -58,6 +59,26 @@ export DATASET_PATH="${DATASET_PATH:-}" BASE_CHECKPOINT_PATH="${BASE_CHECKPOINT_
 export OUTPUT_ROOT="${OUTPUT_ROOT:-outputs/train}"
 export PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"  # less allocator slack
+
+if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
+  # The user's upstream checkout: its own trainer, every rank started through patches.run so that the
+  # lever patches are applied before upstream code runs. The [onecard] table is dropped from the TOML
+  # (upstream's schema forbids unknown keys); TAIL_OVERRIDES and trailing arguments become Hydra overrides.
+  export PYTHONPATH="${COSMOS_FRAMEWORK_ROOT}:${here}${PYTHONPATH:+:$PYTHONPATH}"
+  export IMAGINAIRE_OUTPUT_ROOT="${IMAGINAIRE_OUTPUT_ROOT:-$OUTPUT_ROOT}"
+  mkdir -p "$OUTPUT_ROOT"
+  upstream_toml="$(mktemp "${OUTPUT_ROOT%/}/.onecard-$(basename "$TOML_FILE" .toml)-XXXXXX.toml")"
+  "$PYTHON" -m cosmos_framework_ext.config upstream-toml "$TOML_FILE" "$upstream_toml" || { rm -f "$upstream_toml"; exit 2; }
+  "$PYTHON" -m patches check >/dev/null || { rm -f "$upstream_toml"; exit 2; }  # flags + targets, one error line
+  read -r -a tail_overrides <<< "${TAIL_OVERRIDES:-}"
+  overrides=("${tail_overrides[@]}" "$@")
+  cd "$COSMOS_FRAMEWORK_ROOT"
+  exec "$PYTHON" -m torch.distributed.run \
+    --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
+    --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-50012}" \
+    -m patches.run cosmos_framework.scripts.train --sft-toml="$upstream_toml" \
+    ${overrides[@]+-- "${overrides[@]}"}
+fi
 
 train=(-m cosmos_framework_ext.train --sft-toml="$TOML_FILE" "$@")
 # Check the TOML, flags and paths once in this process first (prints the memory ledger): bad input then

@@ -23,8 +23,25 @@ def status() -> int:
     for f in flags.ALL_FLAGS:
         print(f"  {f.name}={'1' if values[f.name] else '0'}  {f.help}")
     root = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
-    target = f"upstream checkout {root} (not driven by this version)" if root else "embedded reference trainer"
-    print(f"target: {target}")
+    if not root:
+        print("target: embedded reference trainer (levers built in; no upstream patched)")
+    else:
+        import sys as _sys
+
+        _sys.path.insert(0, root)
+        from .cosmos_table import patch_set
+        from .guard import UpstreamMismatch
+
+        ps = patch_set()
+        print(f"target: upstream checkout {root} ({ps.supported} supported)")
+        for p in ps.patches:
+            try:
+                p.check(ps.supported)
+                state = "ok, would be patched" if values[p.flag.name] else f"ok, left alone ({p.flag.name}=0)"
+            except UpstreamMismatch as e:
+                state = f"MISMATCH: {e}"
+            print(f"  {p.name:<28} {p.target}: {state}")
+        print("  (each rank prints what it patched when the launcher starts it through python -m patches.run)")
     try:
         import torch
 
@@ -37,11 +54,26 @@ def status() -> int:
     return 0
 
 
+def check() -> int:
+    """Apply the patches in this (throwaway) process: 0 and the patched targets, or 2 and one error line."""
+    from .guard import UpstreamMismatch
+    from .run import apply_from_env
+
+    try:
+        patched = apply_from_env()
+    except (flags.FlagError, UpstreamMismatch) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("patched: " + (", ".join(patched) or "nothing (no lever flag set)"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m patches")
-    ap.add_argument("command", choices=["status"], help="status: report flags and targets")
-    ap.parse_args(argv)
-    return status()
+    ap.add_argument("command", choices=["status", "check"],
+                    help="status: report flags and targets; check: apply the patches here and report (exit 2 on a mismatch)")
+    args = ap.parse_args(argv)
+    return status() if args.command == "status" else check()
 
 
 if __name__ == "__main__":

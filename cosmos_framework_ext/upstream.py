@@ -1,0 +1,225 @@
+"""The levers, adapted to a real cosmos-framework checkout (installed by ``patches/cosmos_table.py``).
+
+Lever 1 (``COSMOS_EMA_CPU_SUBSET``). Upstream builds a second, fp32 tower ``net_ema`` (12.5 GiB for Edge)
+in ``OmniMoTModel.set_up_model`` and drives it through ``DTensorFastEmaModelUpdater``
+(``update_average`` / ``copy_to`` / ``cache`` / ``restore``). Here:
+
+- the fp32 tower is never built: :class:`EmaPlaceholder` (a module with no parameters) stands in its
+  place, so attribute walks (DCP's ``_get_fqns``) still resolve and nothing aliases ``net``;
+  ``ema_exp_coefficient`` (gamma) is computed by upstream as usual;
+- :class:`HostEmaWorker` takes the updater's place and speaks its API over a
+  :class:`~cosmos_framework_ext.ema.CpuSubsetEMA`, created lazily from the parameters that require grad
+  (the optimizer's ``keys_to_select``) at the first update or checkpoint load. Upstream's own
+  ``on_before_zero_grad`` (with its beta) and ``ema_scope`` (with its reshards) run unchanged;
+  ``ema_scope`` caches and swaps only the trainable local shards, on the host;
+- DCP checkpoints: ``ModelWrapper.state_dict`` appends ``net_ema.<k>`` for every ``net.<k>`` (as upstream's
+  distillation wrapper appends state that lives outside the module registry), and ``load_state_dict``
+  routes ``net_ema.*`` to the host buffers by canonical name.
+
+Lever 2 (``COSMOS_VAE_CPU_OFFLOAD``). ``tokenizer_vision_gen.model.model`` (the ``WanVAE_`` module, which the
+trainer's ``model.to("cuda")`` never moves) and its 48-channel ``scale`` tensors are parked in pinned
+host memory after ``set_up_tokenizers``; ``get_data_and_condition`` (once per micro-batch) and
+``encode``/``decode`` (sampling) run inside :meth:`UpstreamVaeOffload.on_device`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .ema import CpuSubsetEMA, canonical_name
+from .vae_offload import VAEOffload
+
+log = logging.getLogger("onecard.upstream")
+
+
+class EmaPlaceholder(nn.Module):
+    """Stands where upstream's fp32 ``net_ema`` tower would be; holds nothing (the EMA lives on the host)."""
+
+    def extra_repr(self) -> str:
+        return "EMA kept in pinned host memory by onecard (COSMOS_EMA_CPU_SUBSET=1)"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class HostEmaWorker:
+    """Upstream ``DTensorFastEmaModelUpdater``'s API over a :class:`CpuSubsetEMA` of the trainable subset."""
+
+    def __init__(self) -> None:
+        self.ema: CpuSubsetEMA | None = None
+        self._cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def ensure(self, net: nn.Module) -> CpuSubsetEMA:
+        """Create the host EMA from ``net``'s trainable parameters on first use.
+
+        Raises:
+            ValueError: no parameter requires grad (``keys_to_select`` empty or matching nothing).
+        """
+        if self.ema is None:
+            trainable = [n for n, p in net.named_parameters() if p.requires_grad]
+            self.ema = CpuSubsetEMA(net, trainable)
+            log.info("onecard: CPU-subset EMA over %d trainable tensors, %.2f GiB pinned",
+                     len(trainable), self.ema.pinned_bytes / 2**30)
+        return self.ema
+
+    # -- the updater's verbs, as upstream calls them
+    def update_average(self, src_model: nn.Module, tgt_model: nn.Module, beta: float = 0.9999) -> None:
+        self.ensure(src_model).step(src_model, beta)
+
+    def copy_to(self, src_model: nn.Module, tgt_model: nn.Module) -> None:
+        if isinstance(src_model, EmaPlaceholder):  # ema_scope: EMA -> net, trainable shards only
+            self.ensure(tgt_model).copy_to(tgt_model)
+        # net -> EMA (set_up_model): the host EMA is created from net when first needed
+
+    def cache(self, parameters: Any, is_cpu: bool = False) -> None:
+        del is_cpu  # always on the host
+        self._cached = [(p, _local(p).detach().to("cpu", copy=True)) for p in parameters if p.requires_grad]
+
+    def restore(self, parameters: Any) -> None:
+        del parameters
+        if self._cached is None:
+            raise RuntimeError("restore() without cache(): ema_scope was not entered")
+        with torch.no_grad():
+            for p, saved in self._cached:
+                _local(p).copy_(saved)
+        self._cached = None
+
+    # -- checkpoint entries
+    def net_ema_entries(self, net: nn.Module, net_keys: list[str]) -> dict[str, torch.Tensor]:
+        """``{"net_ema.<k>": tensor}`` for every ``k`` of ``net_keys`` (canonical FQNs, as DCP names them).
+
+        Trainable keys hold the EMA, frozen keys and buffers the net's values in fp32. Sharded (DTensor)
+        parameters give DTensors with the same mesh and placements, so each rank saves its own shard.
+        """
+        ema = self.ensure(net)
+        ema.synchronize()
+        by_canon = dict(zip(ema.canonical, ema.shadow))
+        state = {canonical_name(k): v for k, v in net.state_dict().items()}
+        out: dict[str, torch.Tensor] = {}
+        for k in net_keys:
+            ref = state.get(k)
+            buf = by_canon.get(k)
+            if buf is not None:
+                value = buf.clone()
+            elif ref is not None:
+                value = _local(ref).detach().to("cpu", torch.float32 if ref.is_floating_point() else ref.dtype, copy=True)
+            else:
+                continue
+            if ref is not None and hasattr(ref, "device_mesh") and ref.device_mesh.size() > 1:
+                from torch.distributed.tensor import DTensor
+
+                value = DTensor.from_local(value.to(ref.device_mesh.device_type), ref.device_mesh, ref.placements)
+            out[f"net_ema.{k}"] = value
+        return out
+
+
+class UpstreamVaeOffload:
+    """Parks upstream's Wan2.2 VAE (``tokenizer_vision_gen.model``) and its ``scale`` tensors on the host."""
+
+    def __init__(self, wan: Any, device: torch.device):
+        self.wan = wan
+        self.offload = VAEOffload(wan.model, device)
+        self.device = device
+        self._host_scale = tuple(t.detach().to("cpu").pin_memory() if torch.cuda.is_available() else t.detach().cpu()
+                                 for t in wan.scale)
+        self.wan.scale = self._host_scale
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """The VAE and its scale on the GPU inside the block (nested blocks move nothing)."""
+        self._depth += 1
+        try:
+            if self._depth == 1:
+                self.wan.scale = tuple(t.to(self.device, non_blocking=True) for t in self._host_scale)
+            with self.offload.on_device():
+                yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.wan.scale = self._host_scale
+
+
+# ------------------------------------------------------------------------- replacement factories
+def patched_set_up_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``set_up_model`` that builds no fp32 EMA tower and installs :class:`HostEmaWorker`."""
+
+    def set_up_model(self):
+        if not self.config.ema.enabled:
+            return original(self)
+        real_build = self.build_net
+
+        def build_net(*args, **kwargs):
+            # The first build is net; a build once net exists is upstream's fp32 EMA tower.
+            if getattr(self, "net", None) is not None:
+                return EmaPlaceholder()
+            return real_build(*args, **kwargs)
+
+        self.build_net = build_net  # instance attribute: shadows the method during the original only
+        try:
+            result = original(self)
+        finally:
+            del self.build_net
+        self.net_ema_worker = HostEmaWorker()
+        return result
+
+    return set_up_model
+
+
+def patched_wrapper_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+    def state_dict(self):
+        sd = original(self)
+        worker = getattr(self.model, "net_ema_worker", None)
+        if isinstance(worker, HostEmaWorker):
+            sd.update(worker.net_ema_entries(self.model.net, [k[4:] for k in sd if k.startswith("net.")]))
+        return sd
+
+    return state_dict
+
+
+def patched_wrapper_load_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+    def load_state_dict(self, state_dict):
+        worker = getattr(self.model, "net_ema_worker", None)
+        if not isinstance(worker, HostEmaWorker):
+            return original(self, state_dict)
+        ema_part = {k[len("net_ema."):]: _local(v) for k, v in state_dict.items() if k.startswith("net_ema.")}
+        rest = {k: v for k, v in state_dict.items() if not k.startswith("net_ema.")}
+        loaded = worker.ensure(self.model.net).load_state_dict(ema_part)
+        log.info("onecard: loaded %d EMA tensors into host buffers (%d net_ema entries)", loaded, len(ema_part))
+        return original(self, rest)
+
+    return load_state_dict
+
+
+def patched_set_up_tokenizers(original: Callable[..., Any]) -> Callable[..., Any]:
+    def set_up_tokenizers(self):
+        result = original(self)
+        tok = getattr(self, "tokenizer_vision_gen", None)
+        wan = getattr(tok, "model", None)
+        if wan is not None and isinstance(getattr(wan, "model", None), nn.Module) and hasattr(wan, "scale"):
+            device = next(wan.model.parameters()).device
+            if device.type == "cpu" and torch.cuda.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._onecard_vae = UpstreamVaeOffload(wan, device)
+            log.info("onecard: Wan2.2 VAE parked on the host (%.2f GiB pinned)", self._onecard_vae.offload.pinned_bytes / 2**30)
+        return result
+
+    return set_up_tokenizers
+
+
+def with_vae_on_device(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``original`` with the parked VAE on the GPU (one move per call; nested calls move nothing)."""
+
+    def wrapper(self, *args, **kwargs):
+        off = getattr(self, "_onecard_vae", None)
+        with off.on_device() if off is not None else contextlib.nullcontext():
+            return original(self, *args, **kwargs)
+
+    wrapper.__name__ = getattr(original, "__name__", "wrapper")
+    return wrapper

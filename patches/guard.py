@@ -1,0 +1,129 @@
+"""Guarded monkeypatches: replace an upstream function only after checking it is the one we expect.
+
+A :class:`Patch` names its target as ``"package.module:Class.attr"`` and the parameter names the target
+must have. :meth:`PatchSet.apply` imports each target, compares its signature, and only then installs
+the replacement; a missing target or a changed signature raises :class:`UpstreamMismatch` naming the
+target, what was found, and the upstream commits this version supports -- before anything is patched
+(all targets are checked first). :meth:`PatchSet.revert` puts every original back (tests use it).
+Patches whose flag is off are not applied: an unset flag leaves the upstream untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from typing import Any, Callable
+
+from .flags import Flag
+
+MARK = "_onecard_patch"
+"""Attribute set on every installed replacement: the patch's name."""
+
+
+class UpstreamMismatch(RuntimeError):
+    """A patch target is missing or has another signature than the supported upstream commits have."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One guarded replacement."""
+
+    name: str
+    """Short name, e.g. ``ema.set_up_model``."""
+    flag: Flag
+    """The environment flag that turns it on."""
+    target: str
+    """``"module.path:Owner.attr"`` (or ``"module.path:function"``)."""
+    params: tuple[tuple[str, ...], ...]
+    """Accepted parameter-name lists of the target, in order (``self`` included for methods): one per
+    supported upstream signature."""
+    factory: Callable[[Callable[..., Any]], Callable[..., Any]]
+    """Builds the replacement from the original."""
+
+    def resolve(self) -> tuple[Any, str, Callable[..., Any]]:
+        """(owner object, attribute name, current value); raises :class:`UpstreamMismatch` if absent."""
+        module_name, _, path = self.target.partition(":")
+        try:
+            owner: Any = importlib.import_module(module_name)
+        except ImportError as e:
+            raise UpstreamMismatch(f"{self.name}: cannot import {module_name} ({e})") from None
+        *parents, attr = path.split(".")
+        for part in parents:
+            if not hasattr(owner, part):
+                raise UpstreamMismatch(f"{self.name}: {module_name} has no {path}")
+            owner = getattr(owner, part)
+        if not hasattr(owner, attr):
+            raise UpstreamMismatch(f"{self.name}: {self.target} does not exist")
+        return owner, attr, getattr(owner, attr)
+
+    def check(self, supported: str) -> tuple[Any, str, Callable[..., Any]]:
+        """Resolve and compare the signature; raises :class:`UpstreamMismatch` naming the target."""
+        owner, attr, current = self.resolve()
+        original = getattr(current, "__wrapped__", current) if getattr(current, MARK, None) else current
+        try:
+            found = tuple(inspect.signature(original).parameters)
+        except (TypeError, ValueError):
+            found = ()
+        if found not in self.params:
+            expected = " or ".join(str(p) for p in self.params)
+            raise UpstreamMismatch(
+                f"{self.target} has parameters {found}, expected {expected}: this upstream is not one "
+                f"onecard supports ({supported}); check out a supported commit or unset {self.flag.name}"
+            )
+        return owner, attr, current
+
+
+class PatchSet:
+    """A table of :class:`Patch` for one upstream, applied and reverted together.
+
+    Args:
+        upstream: label for messages (``cosmos-framework``).
+        supported: the upstream commits this table was checked against, for error messages.
+        patches: the table.
+    """
+
+    def __init__(self, upstream: str, supported: str, patches: list[Patch]):
+        self.upstream = upstream
+        self.supported = supported
+        self.patches = patches
+        self._applied: list[tuple[Patch, Any, str, Any]] = []
+
+    def wanted(self, flags: dict[str, bool]) -> list[Patch]:
+        """The patches whose flag is on in ``flags`` (env-variable name -> value)."""
+        return [p for p in self.patches if flags.get(p.flag.name)]
+
+    def apply(self, flags: dict[str, bool]) -> list[str]:
+        """Check every wanted target, then install every replacement; returns the patched targets.
+
+        Raises:
+            UpstreamMismatch: a target is missing or changed (nothing is patched then).
+        """
+        todo = self.wanted(flags)
+        checked = [(p, *p.check(self.supported)) for p in todo]  # all checks before any change
+        for p, owner, attr, current in checked:
+            if getattr(current, MARK, None) == p.name:
+                continue  # already applied (a second apply in the same process)
+            new = p.factory(current)
+            setattr(new, MARK, p.name)
+            new.__wrapped__ = current
+            setattr(owner, attr, new)
+            self._applied.append((p, owner, attr, current))
+        return [p.target for p, *_ in checked]
+
+    def revert(self) -> None:
+        """Put back every original this set installed, newest first."""
+        while self._applied:
+            _, owner, attr, original = self._applied.pop()
+            setattr(owner, attr, original)
+
+    def status(self) -> list[tuple[str, str, bool]]:
+        """``(name, target, patched now)`` for every patch in the table."""
+        out = []
+        for p in self.patches:
+            try:
+                _, _, current = p.resolve()
+                out.append((p.name, p.target, getattr(current, MARK, None) == p.name))
+            except UpstreamMismatch:
+                out.append((p.name, p.target, False))
+        return out

@@ -1,0 +1,175 @@
+"""The patches against the real cosmos-framework code (CPU): targets, EMA A/B, DCP round trip, refusal.
+
+The upstream model is too large to build here, so the tests call upstream's own ``OmniMoTModel`` methods
+(``set_up_model``, ``on_before_zero_grad``, ``ema_beta``, ``ema_scope``) unbound on a small stand-in
+module whose ``build_net`` returns the tiny Cosmos3 preset -- upstream's CPU test pattern -- and save and
+load through upstream's DCP ``ModelWrapper`` with ``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from cosmos_framework_ext.ema import canonical_name
+from cosmos_framework_ext.presets import build_transformer, get_preset, select_trainable
+from cosmos_framework_ext.upstream import EmaPlaceholder, HostEmaWorker
+from patches.cosmos_table import patch_set
+from patches.guard import UpstreamMismatch
+
+ROOT = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
+KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
+ON = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True}
+
+
+def _om():
+    from cosmos_framework.model.generator import omni_mot_model
+
+    return omni_mot_model
+
+
+class StandIn(torch.nn.Module):
+    """What upstream's OmniMoTModel methods touch, with the tiny Cosmos3 preset as ``net``."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(ema=SimpleNamespace(enabled=True, rate=0.1, iteration_shift=0))
+        self.parallel_dims = SimpleNamespace()
+        self.precision = torch.float32
+
+    def build_net(self, dtype=torch.float32, mp_policy=None, lora_enabled=False):
+        torch.manual_seed(0)
+        net = build_transformer(get_preset("tiny")).to(dtype)
+        # the wrappers upstream applies per block: names gain _checkpoint_wrapped_module / _orig_mod
+        for i, layer in enumerate(net.layers):
+            net.layers[i] = torch.compile(checkpoint_wrapper(layer))
+        return net
+
+    def set_up_memory(self):
+        pass
+
+
+@pytest.fixture()
+def om(monkeypatch):
+    m = _om()
+    if hasattr(m, "_get_master_dtype_and_mp_policy"):  # 5eee9ed: fp32 master, no FSDP policy on CPU
+        monkeypatch.setattr(m, "_get_master_dtype_and_mp_policy", lambda config, precision: (torch.float32, None))
+    return m
+
+
+def set_up(om) -> StandIn:
+    model = StandIn()
+    om.OmniMoTModel.set_up_model(model)
+    names = [n for n, _ in model.net.named_parameters()]
+    chosen = set(select_trainable([canonical_name(n) for n in names], KEYS))
+    for n, p in model.net.named_parameters():
+        p.requires_grad_(canonical_name(n) in chosen)
+    return model
+
+
+def train_steps(om, model, steps=8):
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        with torch.no_grad():
+            for p in model.net.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.01)
+        om.OmniMoTModel.on_before_zero_grad(model, None, None, i)
+
+
+def test_flags_patch_exactly_the_table_and_revert(om):
+    ps = patch_set()
+    before = {p.target: p.resolve()[2] for p in ps.patches}
+    assert ps.apply({}) == []  # unset flags: upstream untouched
+    assert {p.target: p.resolve()[2] for p in ps.patches} == before
+    patched = ps.apply(ON)
+    assert patched == [p.target for p in ps.patches]
+    assert all(state for _, _, state in ps.status())
+    ps.revert()
+    assert {p.target: p.resolve()[2] for p in ps.patches} == before
+
+
+def test_ema_lever_equals_upstream_stock_updater(om):
+    stock = set_up(om)  # unpatched: upstream's fp32 net_ema tower + DTensorFastEmaModelUpdater
+    assert not isinstance(stock.net_ema, EmaPlaceholder)
+    train_steps(om, stock)
+    ps = patch_set()
+    ps.apply({"COSMOS_EMA_CPU_SUBSET": True})
+    try:
+        lever = set_up(om)
+        assert isinstance(lever.net_ema, EmaPlaceholder) and isinstance(lever.net_ema_worker, HostEmaWorker)
+        assert sum(p.numel() for p in lever.net_ema.parameters()) == 0  # no fp32 tower
+        assert lever.ema_exp_coefficient == pytest.approx(6.9372, abs=1e-4)
+        train_steps(om, lever)
+        ema = lever.net_ema_worker.ema.state_dict(lever.net)
+        stock_ema = {canonical_name(n): p for n, p in stock.net_ema.named_parameters()}
+        trainable = [canonical_name(n) for n, p in lever.net.named_parameters() if p.requires_grad]
+        assert trainable and all(torch.equal(ema[k], stock_ema[k]) for k in trainable)
+
+        # upstream's ema_scope: EMA in, training weights back bit-exact
+        before = {n: p.detach().clone() for n, p in lever.net.named_parameters()}
+        with om.OmniMoTModel.ema_scope(lever):
+            for n, p in lever.net.named_parameters():
+                if p.requires_grad:
+                    assert torch.equal(p.detach(), ema[canonical_name(n)])
+        assert all(torch.equal(p.detach(), before[n]) for n, p in lever.net.named_parameters())
+    finally:
+        ps.revert()
+
+
+def test_dcp_round_trip_restores_the_host_ema(om, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from cosmos_framework.checkpoint.dcp import ModelWrapper
+
+    ps = patch_set()
+    ps.apply({"COSMOS_EMA_CPU_SUBSET": True})
+    try:
+        model = set_up(om)
+        train_steps(om, model)
+        sd = ModelWrapper(model).state_dict()
+        net_keys = {k[4:] for k in sd if k.startswith("net.")}
+        ema_keys = {k[8:] for k in sd if k.startswith("net_ema.")}
+        assert net_keys and net_keys == ema_keys  # net_ema.<k> for every net.<k>
+        assert not any("_orig_mod" in k or "_checkpoint_wrapped_module" in k for k in sd)
+        dcp.save(sd, checkpoint_id=str(tmp_path / "ckpt"))
+        expect = model.net_ema_worker.ema.state_dict(model.net)
+
+        fresh = set_up(om)
+        template = ModelWrapper(fresh).state_dict()
+        dcp.load(template, checkpoint_id=str(tmp_path / "ckpt"))
+        result = ModelWrapper(fresh).load_state_dict(template)
+        assert not [k for k in result.unexpected_keys if k.startswith("net_ema.")]
+        got = fresh.net_ema_worker.ema.state_dict(fresh.net)
+        assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
+    finally:
+        ps.revert()
+
+
+def test_changed_signature_is_refused_by_name(om, monkeypatch):
+    monkeypatch.setattr(om.OmniMoTModel, "encode", lambda self, state, extra: None)
+    with pytest.raises(UpstreamMismatch, match="OmniMoTModel.encode has parameters"):
+        patch_set().apply(ON)
+
+
+@pytest.mark.parametrize("flags", ["1", "0"], ids=["patched", "unpatched"])
+def test_upstream_cpu_tests_pass(flags):
+    """Upstream's own CPU tests for model, checkpoint and SFT config, run through the same wrapper as training."""
+    files = [f for f in (
+        "cosmos_framework/configs/toml_config/sft_config_test.py",
+        "cosmos_framework/model/generator/omni_mot_model_test.py",
+        "cosmos_framework/checkpoint/dcp_distill_test.py",
+    ) if (Path(ROOT) / f).is_file()]
+    env = dict(os.environ, COSMOS_EMA_CPU_SUBSET=flags, COSMOS_VAE_CPU_OFFLOAD=flags,
+               PYTHONPATH=os.pathsep.join([ROOT, str(Path(__file__).resolve().parents[2])]))
+    r = subprocess.run([sys.executable, "-m", "patches.run", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-c", ".pytest.toml", *files], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"patched: {'nothing' if flags == '0' else 'cosmos_framework'}" in r.stderr
