@@ -120,16 +120,6 @@ class SFTConfig:
     def get(self, table: str, key: str) -> Any:
         return self.tables[table][key]
 
-    def to_toml_dict(self) -> dict[str, Any]:
-        """Nested dict for ``tomli_w.dumps`` (tables nested by their dotted path)."""
-        out: dict[str, Any] = {}
-        for path, values in self.tables.items():
-            node = out
-            for part in path.split("."):
-                node = node.setdefault(part, {})
-            node.update(copy.deepcopy(values))
-        return out
-
 
 def _flatten(data: dict[str, Any], prefix: str, out: dict[str, dict[str, Any]], where: str) -> None:
     scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
@@ -189,23 +179,27 @@ def load(path: str | Path) -> SFTConfig:
 
 
 def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
-    """Write ``src`` without the ``[onecard]`` table (upstream's schema forbids unknown keys) to ``dst``.
+    """Write ``src`` without its ``[onecard]`` table (upstream's schema forbids unknown keys) to ``dst``.
 
-    The recipe is validated first; ``dst`` is written to a temporary name and renamed.
+    The recipe is validated first. The text is copied line by line, so comments and ``${oc.env:...}``
+    stay as written for upstream's resolver; ``dst`` is written to a temporary name and renamed.
 
     Raises:
         ConfigError: ``src`` is missing, unreadable or fails the schema.
     """
-    import tomli_w
-
-    cfg = load(src)
-    data = tomllib.loads(Path(src).read_text())
-    data.pop("onecard", None)
-    del cfg  # validated; the text keeps ${oc.env:...} for upstream's resolver
+    load(src)
+    kept: list[str] = []
+    skipping = False
+    for line in Path(src).read_text().splitlines(keepends=True):
+        header = re.match(r"\s*\[\s*([A-Za-z0-9_.]+)\s*\]", line)
+        if header:
+            skipping = header.group(1) == "onecard" or header.group(1).startswith("onecard.")
+        if not skipping:
+            kept.append(line)
     out = Path(dst)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(tomli_w.dumps(data))
+    tmp.write_text("".join(kept))
     os.replace(tmp, out)
     return out
 

@@ -70,14 +70,17 @@ if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
   upstream_toml="$(mktemp "${OUTPUT_ROOT%/}/.onecard-$(basename "$TOML_FILE" .toml)-XXXXXX.toml")"
   "$PYTHON" -m cosmos_framework_ext.config upstream-toml "$TOML_FILE" "$upstream_toml" || { rm -f "$upstream_toml"; exit 2; }
   "$PYTHON" -m patches check >/dev/null || { rm -f "$upstream_toml"; exit 2; }  # flags + targets, one error line
-  read -r -a tail_overrides <<< "${TAIL_OVERRIDES:-}"
-  overrides=("${tail_overrides[@]}" "$@")
+  read -r -a overrides <<< "${TAIL_OVERRIDES:-}"
+  trainer_flags=()
+  for a in "$@"; do  # --flags (e.g. --dryrun) go to upstream's train.py, the rest are Hydra overrides
+    if [[ "$a" == --* ]]; then trainer_flags+=("$a"); else overrides+=("$a"); fi
+  done
   cd "$COSMOS_FRAMEWORK_ROOT"
   exec "$PYTHON" -m torch.distributed.run \
     --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
     --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-50012}" \
     -m patches.run cosmos_framework.scripts.train --sft-toml="$upstream_toml" \
-    ${overrides[@]+-- "${overrides[@]}"}
+    ${trainer_flags[@]+"${trainer_flags[@]}"} ${overrides[@]+-- "${overrides[@]}"}
 fi
 
 train=(-m cosmos_framework_ext.train --sft-toml="$TOML_FILE" "$@")

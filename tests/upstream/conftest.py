@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
             sys.path.insert(0, ROOT)
         try:
             import cosmos_framework.checkpoint.dcp  # noqa: F401
-            import cosmos_framework.model.generator.omni_mot_model  # noqa: F401
+            import cosmos_framework.model.generator.omni_mot_model  # noqa: F401,F811
         except Exception as e:  # noqa: BLE001 - any import failure means: cannot test here
             reason = f"cosmos-framework at {ROOT} does not import here ({type(e).__name__}: {e}); install its dependencies"
     if reason:

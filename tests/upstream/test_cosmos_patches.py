@@ -2,8 +2,9 @@
 
 The upstream model is too large to build here, so the tests call upstream's own ``OmniMoTModel`` methods
 (``set_up_model``, ``on_before_zero_grad``, ``ema_beta``, ``ema_scope``) unbound on a small stand-in
-module whose ``build_net`` returns the tiny Cosmos3 preset -- upstream's CPU test pattern -- and save and
-load through upstream's DCP ``ModelWrapper`` with ``torch.distributed.checkpoint``.
+module whose ``build_net`` returns a tiny tower with upstream's parameter names (upstream's own CPU test
+pattern), and save and load through upstream's DCP ``ModelWrapper`` with ``torch.distributed.checkpoint``.
+Only torch and the upstream's own dependencies are needed, not this project's diffusers version.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from cosmos_framework_ext.ema import canonical_name
-from cosmos_framework_ext.presets import build_transformer, get_preset, select_trainable
 from cosmos_framework_ext.upstream import EmaPlaceholder, HostEmaWorker
 from patches.cosmos_table import patch_set
 from patches.guard import UpstreamMismatch
@@ -35,6 +35,32 @@ def _om():
     return omni_mot_model
 
 
+class TinyBlock(torch.nn.Module):
+    """One decoder layer with upstream's naming: an understanding MLP and its ``*_moe_gen`` duplicate."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Linear(8, 8)
+        self.mlp_moe_gen = torch.nn.Linear(8, 8)
+        self.k_norm_und_for_gen = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.mlp(x) + self.mlp_moe_gen(self.k_norm_und_for_gen(x))
+
+
+class TinyTower(torch.nn.Module):
+    """A stand-in for upstream's Cosmos3 tower: the parameter names ``keys_to_select`` matches, a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList([TinyBlock() for _ in range(2)])
+        self.time_embedder = torch.nn.Linear(4, 8)
+        self.vae2llm = torch.nn.Linear(6, 8)
+        self.llm2vae = torch.nn.Linear(8, 6)
+        self.register_buffer("position_scale", torch.ones(8))
+
+
 class StandIn(torch.nn.Module):
     """What upstream's OmniMoTModel methods touch, with the tiny Cosmos3 preset as ``net``."""
 
@@ -46,7 +72,7 @@ class StandIn(torch.nn.Module):
 
     def build_net(self, dtype=torch.float32, mp_policy=None, lora_enabled=False):
         torch.manual_seed(0)
-        net = build_transformer(get_preset("tiny")).to(dtype)
+        net = TinyTower().to(dtype)
         # the wrappers upstream applies per block: names gain _checkpoint_wrapped_module / _orig_mod
         for i, layer in enumerate(net.layers):
             net.layers[i] = torch.compile(checkpoint_wrapper(layer))
@@ -54,6 +80,9 @@ class StandIn(torch.nn.Module):
 
     def set_up_memory(self):
         pass
+
+    def ema_beta(self, iteration):
+        return _om().OmniMoTModel.ema_beta(self, iteration)  # upstream's own schedule
 
 
 @pytest.fixture()
@@ -67,10 +96,8 @@ def om(monkeypatch):
 def set_up(om) -> StandIn:
     model = StandIn()
     om.OmniMoTModel.set_up_model(model)
-    names = [n for n, _ in model.net.named_parameters()]
-    chosen = set(select_trainable([canonical_name(n) for n in names], KEYS))
-    for n, p in model.net.named_parameters():
-        p.requires_grad_(canonical_name(n) in chosen)
+    for n, p in model.net.named_parameters():  # upstream's keys_to_select: a substring match
+        p.requires_grad_(any(k in n for k in KEYS))
     return model
 
 
@@ -173,3 +200,24 @@ def test_upstream_cpu_tests_pass(flags):
                        timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"patched: {'nothing' if flags == '0' else 'cosmos_framework'}" in r.stderr
+
+
+def test_vae_offload_on_upstream_wan_vae_is_bit_exact():
+    """Upstream's own ``WanVAE_`` (small), resident vs parked by the lever: latents ``torch.equal``."""
+    from cosmos_framework.model.generator.tokenizers.wan2pt2_vae_4x16x16 import WanVAE_
+
+    from cosmos_framework_ext.upstream import UpstreamVaeOffload
+
+    torch.manual_seed(0)
+    vae = WanVAE_(dim=8, dec_dim=8, z_dim=48, num_res_blocks=1).eval().requires_grad_(False)
+    wan = SimpleNamespace(model=vae, scale=(torch.randn(48), torch.rand(48) + 0.5))
+    x = torch.rand(1, 3, 5, 32, 32) * 2 - 1
+    with torch.no_grad():
+        resident = vae.encode(x, wan.scale)
+    off = UpstreamVaeOffload(wan, torch.device("cpu"))
+    assert off.offload.parked and all(off.offload.in_arena(p) for p in vae.parameters())
+    with torch.no_grad(), off.on_device():
+        assert not any(off.offload.in_arena(p) for p in vae.parameters())
+        parked = wan.model.encode(x, wan.scale)
+    assert torch.equal(resident, parked)
+    assert off.offload.parked and wan.scale is off._host_scale
