@@ -24,8 +24,10 @@ def pytest_collection_modifyitems(config, items):
         if ROOT not in sys.path:
             sys.path.insert(0, ROOT)
         try:
-            import cosmos_framework.checkpoint.dcp  # noqa: F401
-            import cosmos_framework.model.generator.omni_mot_model  # noqa: F401,F811
+            import importlib
+
+            for mod in ("cosmos_framework.checkpoint.dcp", "cosmos_framework.model.generator.omni_mot_model"):
+                importlib.import_module(mod)
         except Exception as e:  # noqa: BLE001 - any import failure means: cannot test here
             reason = f"cosmos-framework at {ROOT} does not import here ({type(e).__name__}: {e}); install its dependencies"
     if reason:

@@ -1,0 +1,79 @@
+"""A tiny, deterministic H3 LoRA SFT run on the CPU, shared by the equivalence proofs and smoke runs.
+
+It goes through the recipe's own code: :func:`miles_ext.presets.build_transformer` (``tiny``),
+:func:`miles_ext.lora.attach_lora`, :func:`miles_ext.fsdp_policy.apply_fsdp2`, :func:`miles_ext.sft.train_step`
+with :func:`miles_ext.recipe.pair_schedule` / :func:`~miles_ext.recipe.rank_schedule`. The pairs are random
+latents and caption embeddings (no dataset, VAE or text encoder), of varying sizes so that a pair mix-up shows.
+
+:data:`PRELOAD` lists the heavy modules a rank launcher should import once (e.g. in a forkserver) rather than
+once per rank: importing diffusers' H3 classes and PEFT costs about 9 s of CPU per process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from miles_ext.presets import TINY, H3Preset
+from miles_ext.sft import SftPair
+
+__all__ = ["synthetic_pairs", "make_lora_model", "OPTIM", "PRELOAD"]
+
+OPTIM = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+"""AdamW settings of the tiny runs (the proofs do not depend on them)."""
+
+PRELOAD: list[str] = [
+    "torch",
+    "torch.distributed.fsdp",
+    "peft",
+    "diffusers.models.transformers.transformer_minimax_h3",
+    "diffusers.modular_pipelines.minimax_h3.before_denoise",
+    "miles_ext.fsdp_policy",
+    "miles_ext.lora",
+    "miles_ext.sft",
+    "miles_ext.tiny_run",
+]
+"""Modules every rank of a tiny run imports (torch, PEFT, diffusers' H3 classes, this package)."""
+
+
+def synthetic_pairs(count: int, preset: H3Preset = TINY, seed: int = 0) -> list[SftPair]:
+    """``count`` clean pairs; pair ``i`` depends only on ``(seed, i)``. Sizes vary with ``i``: text 3..6 rows,
+    video ``[C, 1..2, 2..4, 2..4]``, audio ``[2, C_audio, 2..3]``. All fp32 on the CPU."""
+    out = []
+    for i in range(count):
+        g = torch.Generator().manual_seed(seed * 100_003 + i)
+        t, h, w = 1 + i % 2, 2 + 2 * (i % 3 == 0), 2 + 2 * (i % 2)
+        out.append(
+            SftPair(
+                text=torch.randn(3 + i % 4, preset.text_dim, generator=g),
+                video=torch.randn(preset.in_channels, t, h, w, generator=g),
+                audio=torch.randn(2, preset.audio_in_channels, 2 + i % 2, generator=g),
+            )
+        )
+    return out
+
+
+def make_lora_model(
+    preset: H3Preset = TINY,
+    *,
+    seed: int = 0,
+    master_dtype: str | None = None,
+    lora_rank: int = 8,
+    lora_alpha: float = 16,
+    autocast_adapter_dtype: bool = True,
+    init_lora_weights: bool | str = "gaussian",
+) -> torch.nn.Module:
+    """The tiny H3 with LoRA, as the recipe loads it: base stored in ``master_dtype`` (``_keep_in_fp32_modules``
+    fp32; ``None`` leaves everything fp32), then adapters attached (upstream order: load with ``torch_dtype``,
+    then ``apply_lora``). Same ``seed`` -> same base and adapters on every rank and for either master dtype."""
+    from miles_ext.fsdp_policy import set_master_dtype
+    from miles_ext.lora import attach_lora
+    from miles_ext.presets import build_transformer
+
+    torch.manual_seed(seed)
+    model = build_transformer(preset)
+    if master_dtype is not None:
+        set_master_dtype(model, master_dtype)
+    torch.manual_seed(seed + 1)
+    attach_lora(model, rank=lora_rank, alpha=lora_alpha, init_lora_weights=init_lora_weights,
+                autocast_adapter_dtype=autocast_adapter_dtype)
+    return model
