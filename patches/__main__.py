@@ -25,6 +25,8 @@ def status() -> int:
     root = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
     if not root:
         print("target: embedded reference trainer (levers built in; no upstream patched)")
+    elif not os.path.isdir(os.path.join(root, "cosmos_framework")):
+        print(f"target: COSMOS_FRAMEWORK_ROOT={root} is not a cosmos-framework checkout (no cosmos_framework/ in it)")
     else:
         import sys as _sys
 
@@ -64,7 +66,8 @@ def check() -> int:
     except (flags.FlagError, UpstreamMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("patched: " + (", ".join(patched) or "nothing (no lever flag set)"))
+    why = "no lever flag set" if not any(flags.read_all().values()) else "no COSMOS_FRAMEWORK_ROOT: the embedded trainer has the levers built in"
+    print("patched: " + (", ".join(patched) or f"nothing ({why})"))
     return 0
 
 

@@ -85,7 +85,7 @@ class Ledger:
             host = f"{i.host_bytes / GiB:>9.2f}{'p' if i.pinned else ' '}" if i.host_bytes else f"{'':>10}"
             lines.append(f"{i.name:<{w}}{i.gpu_bytes / GiB:>9.2f}{host}  {i.note}")
         lines.append(f"{'= allocated peak':<{w}}{self.gpu_allocated / GiB:>9.2f}{self.host_bytes / GiB:>10.2f}  "
-                     f"(host: {self.pinned_bytes / GiB:.2f} GiB pinned, p)")
+                     f"(host: {self.pinned_bytes / GiB:.2f} GiB of it pinned, marked p)")
         lines.append(f"{'+ allocator slack':<{w}}{(self.gpu_reserved - self.gpu_allocated) / GiB:>9.2f}"
                      f"{'':>10}  {self.slack:.0%} of the allocated peak")
         lines.append(f"{'= reserved peak':<{w}}{self.gpu_reserved / GiB:>9.2f}")

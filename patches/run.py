@@ -22,14 +22,18 @@ from .guard import UpstreamMismatch
 def apply_from_env() -> list[str]:
     """Read the flags, put ``COSMOS_FRAMEWORK_ROOT`` on ``sys.path``, apply the cosmos patch table.
 
-    Returns the patched targets. Raises :class:`flags.FlagError` or :class:`UpstreamMismatch`.
+    Nothing is patched without ``COSMOS_FRAMEWORK_ROOT`` (the embedded trainer needs no patches) or with
+    every flag off. Returns the patched targets. Raises :class:`flags.FlagError` or
+    :class:`UpstreamMismatch` (also for a root that is not a cosmos-framework checkout).
     """
     values = flags.read_all()
     root = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
-    if root and root not in sys.path:
+    if not root or not any(values.values()):
+        return []  # the embedded trainer has the levers built in; unset flags patch nothing
+    if not os.path.isdir(os.path.join(root, "cosmos_framework")):
+        raise UpstreamMismatch(f"COSMOS_FRAMEWORK_ROOT={root} is not a cosmos-framework checkout (no cosmos_framework/ in it)")
+    if root not in sys.path:
         sys.path.insert(0, root)
-    if not any(values.values()):
-        return []
     from .cosmos_table import patch_set
 
     return patch_set().apply(values)
