@@ -17,7 +17,9 @@ trains (``shared/upstream/miles_diffusion.md`` §1-§4):
   have no audio track: the audio stream's clean latent is silence (zeros).
 
 Checkpoints ``iter_<rollout:07d>.pt`` hold the LoRA tensors (``lora``), their config (``lora_meta``), the
-optimizer and the rollout counter; ``python -m miles_ext.export_lora`` turns one into a PEFT adapter.
+optimizer and the rollout counter; ``python -m miles_ext.export_lora`` turns one into a PEFT adapter. A run
+whose ``--output-dir`` already holds a checkpoint resumes from it (LoRA, optimizer, data order) and trains
+up to ``--num-rollout``.
 
 Exit status 0, or 2 with one ``error:`` line on bad input.
 """
@@ -205,9 +207,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     step_times, losses, buckets = [], [], {}
     peak_rss = rss_init
-    ckpt = None
     g = torch.Generator().manual_seed(args.seed)
-    for rollout in range(args.num_rollout):
+    ckpt = latest_checkpoint(out_dir)
+    start = _resume(ckpt, model, opt, lora) if ckpt is not None else 0
+    if ckpt is not None:
+        print(f"onecard: resumed from {ckpt} after rollout {start}", flush=True)
+    for _ in range(start):  # the data order of the rollouts already trained
+        torch.randperm(len(pairs), generator=g)
+    if start >= args.num_rollout:
+        print(f"onecard: nothing to do: {ckpt} already holds rollout {start} >= --num-rollout {args.num_rollout}; "
+              "raise --num-rollout to train further", flush=True)
+        done = out_dir / "summary.json"
+        return json.loads(done.read_text()) if done.is_file() else {}
+    for rollout in range(start, args.num_rollout):
         order = torch.randperm(len(pairs), generator=g).tolist()[: gbs * args.num_steps_per_rollout]
         rollout_pairs = [pairs[i] for i in order]
         sched = recipe.pair_schedule(gbs, args.from_gpus, args.num_steps_per_rollout, args.micro_batch_size,
@@ -265,6 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "init_s": init_s,
         "data": data_info,
         "checkpoint": str(ckpt) if ckpt else None,
+        "resumed_from_rollout": start,
         "deterministic_mode": bool(args.deterministic_mode),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -273,6 +286,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     os.replace(tmp, out_dir / "summary.json")
     print(f"onecard: summary {out_dir / 'summary.json'}")
     return summary
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The newest ``iter_*.pt`` under ``out_dir/checkpoints`` (by rollout number), or None."""
+    found = sorted((out_dir / "checkpoints").glob("iter_*.pt"))
+    return found[-1] if found else None
+
+
+def _resume(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, lora: dict[str, torch.Tensor]) -> int:
+    """Load a checkpoint's LoRA tensors and optimizer state into this run; returns the rollouts it holds.
+
+    Raises:
+        UserError: the checkpoint's LoRA tensors do not match this run's (another rank, targets or preset).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    blob = torch.load(ckpt, map_location="cpu", weights_only=False)
+    saved = blob.get("lora", {})
+    if set(saved) != set(lora) or any(saved[k].shape != lora[k].shape for k in lora):
+        raise UserError(f"{ckpt} holds other LoRA tensors than this run (rank, targets or preset differ): "
+                        "use another --output-dir or the same settings")
+    with torch.no_grad():
+        for k, p in lora.items():
+            (p.to_local() if hasattr(p, "to_local") else p).copy_(saved[k])
+    set_optimizer_state_dict(model, opt, optim_state_dict=blob["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    return int(blob["rollout"])
 
 
 def _full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run(tmp_path, *extra, env=None):
     e = dict(os.environ, OUTPUT_ROOT=str(tmp_path / "out"), ONECARD_DATA_CACHE=str(tmp_path / "cache"),
-             PYTHON=sys.executable, **(env or {}))
+             PYTHON=sys.executable)
+    e.update(env or {})
     e.pop("MILES_DIFFUSION_ROOT", None)
     return subprocess.run(["bash", str(REPO / "launchers" / "sft_h3_t2va_1gpu.sh"), "--rollout-batch-size", "16",
                            "--num-steps-per-rollout", "2", *extra], env=e, capture_output=True, text=True,
@@ -41,13 +42,24 @@ def test_main_job_trains_two_steps_with_the_8_gpu_schedule(first_run):
     assert Path(s["checkpoint"]).is_file()
 
 
-def test_second_run_skips_encoding_and_export_works(first_run, tmp_path):
+def test_resume_continues_exactly_and_skips_encoding(first_run, tmp_path):
+    import torch
+
     tmp, _ = first_run
-    r = run(tmp)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = run(tmp, "--num-rollout", "2")  # resumes after rollout 1
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr[-3000:]
     s = json.loads((tmp / "out" / "h3_t2va_sft" / "summary.json").read_text())
     assert s["data"]["cache_misses"] == 0 and s["data"]["cache_hits"] == s["data"]["rows"]
-    ex = subprocess.run([sys.executable, "-m", "miles_ext.export_lora", s["checkpoint"], str(tmp_path / "adapter")],
+    assert s["resumed_from_rollout"] == 1 and s["optimizer_steps"] == 2
+    straight = run(tmp_path, "--num-rollout", "2", env={"OUTPUT_ROOT": str(tmp_path / "straight")})
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    a = torch.load(tmp / "out" / "h3_t2va_sft" / "checkpoints" / "iter_0000002.pt", weights_only=False)
+    b = torch.load(tmp_path / "straight" / "h3_t2va_sft" / "checkpoints" / "iter_0000002.pt", weights_only=False)
+    assert a["lora"].keys() == b["lora"].keys() and all(torch.equal(a["lora"][k], b["lora"][k]) for k in a["lora"])
+    again = run(tmp, "--num-rollout", "2")
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    ex = subprocess.run([sys.executable, "-m", "miles_ext.export_lora", str(tmp_path / "straight" / "h3_t2va_sft" /
+                         "checkpoints" / "iter_0000002.pt"), str(tmp_path / "adapter")],
                         capture_output=True, text=True, cwd=REPO)
     assert ex.returncode == 0 and "exported 36 LoRA tensors (rank 64, alpha 128" in ex.stdout, ex.stderr
     assert "DeviceMesh" not in ex.stderr  # the checkpoint holds plain tensors only
