@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from patches.host_arena import HostArena
+from patches.core.host_arena import HostArena
 
 _STRIP = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -164,7 +164,7 @@ class CpuSubsetEMA:
 
     Memory: 4 bytes x trainable parameters of page-locked host memory for the EMA (5.66 GB for the
     1.415 B Edge subset) plus one staging copy in the parameters' dtype (2.83 GB in bf16); nothing on the
-    GPU. Allocation is exact (see :class:`patches.host_arena.HostArena`); :attr:`pinned_bytes` reports it.
+    GPU. Allocation is exact (see :class:`patches.core.host_arena.HostArena`); :attr:`pinned_bytes` reports it.
 
     Timing per optimizer step on the critical path: issuing the asynchronous copies (~4 ms on an H200)
     plus, on the *next* update, any part of the host lerp (0.7-1.0 s for 1.415 B parameters) that the

@@ -1,4 +1,5 @@
-"""The Cosmos3-Edge recipe's memory ledger (see :mod:`patches.ledger` for the table and the CLI).
+"""The Cosmos3-Edge recipe's memory ledger (the table is :mod:`patches.core.ledger`; the command line
+``python -m patches.ledger`` runs :func:`main` here).
 
 Exact components come from the model built on the meta device and from the dtypes the trainer uses:
 
@@ -19,11 +20,16 @@ constants were fitted to two measured runs of the edge preset on an H200 (2026-1
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+import sys
+from typing import Any, Iterable
 
-from patches.flags import EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
-from patches.ledger import GiB, Item, Ledger
+from patches.core import flags as flagmod
+from patches.core.flags import EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
+from patches.core.ledger import Item, Ledger, parse_budget
+from patches.core.runtime import GiB
 
+from . import config as cfgmod
 from .config import SFTConfig
 from .presets import build_transformer, build_vae, get_preset, select_trainable
 
@@ -68,7 +74,7 @@ def cosmos_ledger(
     Args:
         cfg: the recipe TOML.
         preset_name: ``edge`` or ``tiny``.
-        flags: lever flags by env-variable name (:func:`patches.flags.read_all`).
+        flags: lever flags by env-variable name (:func:`patches.core.flags.read_all`).
         world_size: ranks; FSDP2 shards weights, gradients and optimizer state evenly.
         device_type: ``cuda`` (bf16 parameters when the TOML says bfloat16) or ``cpu`` (fp32).
         cap: packing cap to size activations for (default: the TOML's ``max_sequence_length``).
@@ -149,3 +155,29 @@ def summary_line(ledger: Ledger) -> dict[str, Any]:
     return {"predicted_gpu_allocated_gib": ledger.gpu_allocated / GiB,
             "predicted_gpu_reserved_gib": ledger.gpu_reserved / GiB,
             "predicted_pinned_gib": ledger.pinned_bytes / GiB}
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m patches.ledger", description="Will this recipe fit the card? (memory ledger)")
+    ap.add_argument("--toml", required=True, help="recipe TOML")
+    ap.add_argument("--budget-gib", default="22.06", help="usable GPU memory in GiB (default 22.06: a 24 GB A10G)")
+    ap.add_argument("--preset", default="edge", help="model preset to size (default edge)")
+    ap.add_argument("--world-size", type=int, default=1, help="ranks (NPROC_PER_NODE x NNODES); default 1")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    try:
+        budget = parse_budget(args.budget_gib)
+        cfg = cfgmod.load(args.toml)
+        env_flags = flagmod.read_all()
+        ledger = cosmos_ledger(cfg, args.preset, env_flags, world_size=args.world_size)
+    except (ValueError, flagmod.FlagError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(ledger.format(budget))
+    if ledger.fits(budget):
+        return 0
+    print(what_closes_the_gap(cfg, args.preset, env_flags, budget, world_size=args.world_size))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from patches import flags as flagmod
-from patches.host_arena import pinned_bytes_total
-from patches.sampler import MemorySampler
+from patches.core import flags as flagmod
+from patches.core.host_arena import pinned_bytes_total
+from patches.core.sampler import MemorySampler
 
 from . import attention, config as cfgmod, data as datamod, packing
 from .ledger import cosmos_ledger, summary_line

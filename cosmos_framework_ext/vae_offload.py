@@ -2,7 +2,7 @@
 
 The VAE is frozen, so its weights never change after construction. :class:`VAEOffload` therefore keeps
 one persistent host copy of every parked parameter and buffer, in a single exact-size pinned
-:class:`~patches.host_arena.HostArena`, and moves the module between two states:
+:class:`~patches.core.host_arena.HostArena`, and moves the module between two states:
 
 - **parked**: each parked tensor *is* its host copy (a view into the arena); no device memory is held.
 - **unparked**: each parked tensor is a fresh device tensor filled from its host copy by a
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from patches.host_arena import HostArena
+from patches.core.host_arena import HostArena
 
 __all__ = [
     "OFFLOAD_ATTR",
@@ -103,7 +103,7 @@ class VAEOffload:
     """Keeps a frozen module's tensors in pinned host memory, on ``device`` only while unparked.
 
     At construction the parked part's parameters and buffers are copied into ONE
-    :class:`~patches.host_arena.HostArena` (pinned when ``device`` is CUDA), the resident part (if any)
+    :class:`~patches.core.host_arena.HostArena` (pinned when ``device`` is CUDA), the resident part (if any)
     is moved to ``device``, and the module is left **parked**. ``module._onecard_offload`` is set to
     this object.
 
@@ -131,7 +131,7 @@ class VAEOffload:
         ValueError: a parameter requires grad (fix: ``module.requires_grad_(False)``); the module already
             has an offload attached; ``device`` is the meta device or a tensor is on it; a resident
             submodule name does not exist.
-        RuntimeError: page-locking the arena failed (see :class:`~patches.host_arena.HostArena`).
+        RuntimeError: page-locking the arena failed (see :class:`~patches.core.host_arena.HostArena`).
     """
 
     def __init__(
@@ -403,10 +403,10 @@ def offload_from_env(
 ) -> VAEOffload | None:
     """Attach a :class:`VAEOffload` when ``COSMOS_VAE_CPU_OFFLOAD`` is on, else move ``vae`` to ``device``.
 
-    Returns the offload, or ``None`` when the flag is off. Raises :class:`patches.flags.FlagError` on a
+    Returns the offload, or ``None`` when the flag is off. Raises :class:`patches.core.flags.FlagError` on a
     malformed flag value, and what :class:`VAEOffload` raises.
     """
-    from patches.flags import VAE_CPU_OFFLOAD
+    from patches.core.flags import VAE_CPU_OFFLOAD
 
     if not VAE_CPU_OFFLOAD.value(dict(environ) if environ is not None else None):
         vae.to(device)

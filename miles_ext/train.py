@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_lora = sum(p.numel() for p in lora.values())
     init_s = time.perf_counter() - t0
     rss_init = _rss()
-    from patches.host_arena import pinned_bytes_total
+    from patches.core.host_arena import pinned_bytes_total
 
     print(f"onecard: {sum(p.numel() for p in model.parameters()):,} params (random init: not trained H3 weights), "
           f"LoRA r={args.lora_rank} alpha={args.lora_alpha}: {len(lora)} tensors, {n_lora:,} params fp32; "

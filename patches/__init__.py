@@ -1,6 +1,13 @@
-"""onecard patches: WHERE and WHEN the levers apply.
+"""onecard patches: WHERE and WHEN the levers apply, and the core every lever shares.
 
-- :mod:`patches.flags`       -- env-flag parsing (``COSMOS_EMA_CPU_SUBSET``, ``COSMOS_VAE_CPU_OFFLOAD``, ...).
-- :mod:`patches.host_arena`  -- exact-size pinned host memory shared by every lever.
-- :mod:`patches.status`      -- ``python -m patches status``.
+- :mod:`patches.core`          -- shared by both recipes (flags, errors, atomic IO, checkpoints, config,
+  trainer skeleton, host arena, ledger table, memory sampler); imports no recipe.
+- :mod:`patches.guard`         -- guarded monkeypatches: verify a target, refuse a mismatch by name, revert.
+- :mod:`patches.cosmos_table`  -- the cosmos-framework patch table (implementations named by import string).
+- :mod:`patches.run`           -- ``python -m patches.run MODULE``: apply the table, then run an upstream module.
+- :mod:`patches.ledger`        -- ``python -m patches.ledger``: will a recipe fit the card?
+- ``python -m patches status|check`` -- which flags are on, what they patch.
+
+Imports point one way: ``cosmos_framework_ext`` and ``miles_ext`` import ``patches.core``; nothing in
+``patches`` imports them at module level (``tests/test_architecture.py`` checks it).
 """

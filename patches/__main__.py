@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from . import flags
+from .core import flags
 
 
 def status() -> int:
@@ -47,7 +47,7 @@ def status() -> int:
     try:
         import torch
 
-        from .host_arena import pinned_bytes_total
+        from .core.host_arena import pinned_bytes_total
 
         cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
         print(f"torch {torch.__version__}; GPU: {cuda}; pinned by onecard in this process: {pinned_bytes_total()} B")

@@ -1,7 +1,8 @@
 """Guarded monkeypatches: replace an upstream function only after checking it is the one we expect.
 
-A :class:`Patch` names its target as ``"package.module:Class.attr"`` and the parameter names the target
-must have. :meth:`PatchSet.apply` imports each target, compares its signature, and only then installs
+A :class:`Patch` names its target as ``"package.module:Class.attr"``, the parameter names the target
+must have, and its implementation as an import string (``"cosmos_framework_ext.upstream:factory"``),
+resolved only when the patch is applied: ``patches`` imports no recipe package at module level. :meth:`PatchSet.apply` imports each target, compares its signature, and only then installs
 the replacement; a missing target or a changed signature raises :class:`UpstreamMismatch` naming the
 target, what was found, and the upstream commits this version supports -- before anything is patched
 (all targets are checked first). :meth:`PatchSet.revert` puts every original back (tests use it).
@@ -15,7 +16,7 @@ import importlib
 import inspect
 from typing import Any, Callable
 
-from .flags import Flag
+from .core.flags import Flag
 
 MARK = "_onecard_patch"
 """Attribute set on every installed replacement: the patch's name."""
@@ -23,6 +24,20 @@ MARK = "_onecard_patch"
 
 class UpstreamMismatch(RuntimeError):
     """A patch target is missing or has another signature than the supported upstream commits have."""
+
+
+def resolve(spec: str) -> Any:
+    """The object an import string ``"package.module:attr.path"`` names (imported now).
+
+    Raises:
+        ImportError: the module does not import.
+        AttributeError: the module has no such attribute.
+    """
+    module_name, _, path = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part)
+    return obj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +53,12 @@ class Patch:
     params: tuple[tuple[str, ...], ...]
     """Accepted parameter-name lists of the target, in order (``self`` included for methods): one per
     supported upstream signature."""
-    factory: Callable[[Callable[..., Any]], Callable[..., Any]]
-    """Builds the replacement from the original."""
+    impl: str
+    """Import string ``"module:function"`` of the factory that builds the replacement from the original."""
+
+    def factory(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The implementation's factory, imported now."""
+        return resolve(self.impl)
 
     def resolve(self) -> tuple[Any, str, Callable[..., Any]]:
         """(owner object, attribute name, current value); raises :class:`UpstreamMismatch` if absent."""
@@ -100,11 +119,13 @@ class PatchSet:
             UpstreamMismatch: a target is missing or changed (nothing is patched then).
         """
         todo = self.wanted(flags)
-        checked = [(p, *p.check(self.supported)) for p in todo]  # all checks before any change
-        for p, owner, attr, current in checked:
+        # All checks (targets and implementations) before any change.
+        targets = [p.check(self.supported) for p in todo]
+        checked = [(p, p.factory(), *t) for p, t in zip(todo, targets)]
+        for p, factory, owner, attr, current in checked:
             if getattr(current, MARK, None) == p.name:
                 continue  # already applied (a second apply in the same process)
-            new = p.factory(current)
+            new = factory(current)
             setattr(new, MARK, p.name)
             new.__wrapped__ = current
             setattr(owner, attr, new)

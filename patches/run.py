@@ -15,7 +15,7 @@ import os
 import runpy
 import sys
 
-from . import flags
+from .core import flags
 from .guard import UpstreamMismatch
 
 

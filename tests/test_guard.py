@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from patches.flags import EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
+from patches.core.flags import EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
 from patches.guard import MARK, Patch, PatchSet, UpstreamMismatch
 
 
@@ -23,6 +23,7 @@ def fake_upstream(monkeypatch):
             return ("original encode", state)
 
     mod.Model = Model
+    mod.ema_impl, mod.vae_impl = _wrap("ema"), _wrap("vae")  # implementations, named by import string
     monkeypatch.setitem(sys.modules, "fake_upstream_mod", mod)
     return mod
 
@@ -39,8 +40,8 @@ def _wrap(tag):
 
 def _table(signature=(("self",),)):
     return PatchSet("fake", "fake@abc123", [
-        Patch("ema.set_up", EMA_CPU_SUBSET, "fake_upstream_mod:Model.set_up", signature, _wrap("ema")),
-        Patch("vae.encode", VAE_CPU_OFFLOAD, "fake_upstream_mod:Model.encode", (("self", "state"),), _wrap("vae")),
+        Patch("ema.set_up", EMA_CPU_SUBSET, "fake_upstream_mod:Model.set_up", signature, "fake_upstream_mod:ema_impl"),
+        Patch("vae.encode", VAE_CPU_OFFLOAD, "fake_upstream_mod:Model.encode", (("self", "state"),), "fake_upstream_mod:vae_impl"),
     ])
 
 
@@ -81,7 +82,7 @@ def test_missing_target_is_refused(fake_upstream):
     with pytest.raises(UpstreamMismatch, match="Model.encode does not exist"):
         _table().apply({VAE_CPU_OFFLOAD.name: True})
     with pytest.raises(UpstreamMismatch, match="cannot import"):
-        PatchSet("x", "y", [Patch("p", EMA_CPU_SUBSET, "no_such_module_xyz:f", (("a",),), _wrap("p"))]).apply(
+        PatchSet("x", "y", [Patch("p", EMA_CPU_SUBSET, "no_such_module_xyz:f", (("a",),), "no_such_module_xyz:impl")]).apply(
             {EMA_CPU_SUBSET.name: True})
 
 

@@ -10,6 +10,7 @@ import torch
 from cosmos_framework_ext import config as cfgmod
 from cosmos_framework_ext.ledger import cosmos_ledger
 from patches import ledger as ledgermod
+from patches.core.ledger import parse_budget
 from tests.equivalence import tiny_recipe as R
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,7 +52,7 @@ def test_levers_move_ema_and_vae_to_pinned_host():
     saved = stock.gpu_allocated - both.gpu_allocated
     assert saved == 3_361_198_784 * 4 + 704_688_668 * 2
     assert both.pinned_bytes == 1_414_924_992 * (4 + 2) + 704_688_668 * 2
-    budget = ledgermod.parse_budget("22.06")
+    budget = parse_budget("22.06")
     assert both.fits(budget) and not stock.fits(budget)
 
 

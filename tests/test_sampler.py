@@ -1,4 +1,4 @@
-"""patches.sampler.MemorySampler: CSV/PNG output, thread lifecycle, phases, RSS response (CPU, fast)."""
+"""patches.core.sampler.MemorySampler: CSV/PNG output, thread lifecycle, phases, RSS response (CPU, fast)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from patches.sampler import COLUMNS, IDLE, MemorySampler
+from patches.core.sampler import COLUMNS, IDLE, MemorySampler
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 MB = 10**6
@@ -183,7 +183,7 @@ def test_rss_column_responds_to_allocation():
 
 
 def test_sampling_errors_never_reach_the_trainer(monkeypatch):
-    import patches.sampler as sm
+    import patches.core.sampler as sm
 
     def broken():
         raise RuntimeError("planted pinned failure")

@@ -20,7 +20,7 @@ from torch import nn
 from cosmos_framework_ext import vae_offload as vo
 from cosmos_framework_ext.presets import build_vae, get_preset
 from cosmos_framework_ext.vae_offload import VAEOffload, check_equivalence, encode_latents, measure_round_trip
-from patches.host_arena import HostArena
+from patches.core.host_arena import HostArena
 
 MiB = 2**20
 

@@ -16,7 +16,7 @@ CSV column                 unit   source
                                   context); empty when ``pynvml`` (package ``nvidia-ml-py``) is absent
                                   or fails, and on CPU
 ``host_rss_bytes``         bytes  resident set size of this process (``psutil``)
-``pinned_bytes``           bytes  :func:`patches.host_arena.pinned_bytes_total`
+``pinned_bytes``           bytes  :func:`patches.core.host_arena.pinned_bytes_total`
 =========================  =====  ==================================================================
 
 One row is one read of the caching allocator's counters (``torch._C._cuda_memoryStats``, the nested dict
@@ -110,7 +110,7 @@ def _rss_reader():
 
 
 def _pinned_total() -> int:
-    from patches.host_arena import pinned_bytes_total
+    from patches.core.host_arena import pinned_bytes_total
 
     return int(pinned_bytes_total())
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .errors import UserError
+
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no", ""}
 
 
-class FlagError(ValueError):
+class FlagError(UserError):
     """An environment flag holds a value that is not a boolean."""
 
 

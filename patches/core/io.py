@@ -1,0 +1,74 @@
+"""Atomic file writes: readers never see half a file, and a failed write leaves nothing behind.
+
+Every writer here writes to a temporary name in the destination's folder (``.<name>.tmp-<random>``),
+flushes and fsyncs it, then ``os.replace``-s it onto the destination; on any exception the temporary
+file is removed and the destination is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator
+
+TMP_MARK = ".tmp-"
+"""Substring of every temporary name (``.<name>.tmp-<random>``), so stale ones can be found and removed."""
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
+    """Open a temporary file next to ``path``; on a clean exit fsync it and rename it onto ``path``.
+
+    Creates the parent folder. ``mode`` is ``"w"`` or ``"wb"`` (plus ``open``'s keyword arguments).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **kw) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
+    """Call ``write(tmp_path)`` (a writer that takes a path, like ``torch.save``), then rename onto ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return Path(path)
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented, key-sorted JSON to ``path`` atomically."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> Path:
+    """``torch.save(obj, path)`` atomically."""
+    import torch
+
+    return atomic_write(path, lambda p: torch.save(obj, p))
