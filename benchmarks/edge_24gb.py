@@ -37,8 +37,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from cosmos_framework_ext import train  # noqa: E402
+from patches.core.runtime import GiB  # noqa: E402
 
-GiB = float(2**30)
 EMA, VAE = "COSMOS_EMA_CPU_SUBSET", "COSMOS_VAE_CPU_OFFLOAD"
 CONFIGS = [
     ("stock, uncapped card", {EMA: "0", VAE: "0"}, False),

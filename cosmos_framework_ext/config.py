@@ -1,4 +1,4 @@
-"""The SFT TOML schema, read strictly.
+"""The SFT TOML schema as typed dataclasses, read strictly.
 
 The tables are upstream cosmos-framework's SFT TOML tables (``[job] [model] [model.ema] [optimizer]
 [scheduler] [trainer] [trainer.callbacks.grad_clip] [checkpoint] [dataloader_train]``, plus the
@@ -6,160 +6,363 @@ parallelism/compile/activation-checkpointing/tokenizer sub-tables the upstream r
 recipe TOML runs unchanged on the upstream trainer and on the embedded one. What only the embedded
 trainer needs lives in one extra table, ``[onecard]``.
 
+Each table is one dataclass below; a nested table is a nested dataclass field, so a loaded config reads
+as attributes: ``cfg.model.ema.rate``, ``cfg.trainer.callbacks.grad_clip.clip_norm``,
+``cfg.dataloader_train.max_sequence_length``, ``cfg.onecard.preset``. Every field has a type, a default
+and a docstring (:func:`patches.core.config.field_docs` reads them).
+
 ``${oc.env:NAME}`` in a string value is replaced by the environment variable ``NAME`` (empty when unset),
 as upstream's OmegaConf resolver does.
 
-A key or table the schema does not know raises :class:`ConfigError` naming it and the known keys.
+A table or key the schema does not know, or a value of the wrong type, raises :class:`ConfigError`
+(:class:`patches.core.config.ConfigError`, a :class:`patches.core.errors.UserError`) naming it and what is
+accepted.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Mapping
+
+from patches.core.config import ConfigError, from_mapping
+from patches.core.errors import cli
+from patches.core.io import atomic_write_text
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-
-class ConfigError(ValueError):
-    """The TOML is unreadable, has an unknown key, or a value of the wrong type."""
+__all__ = ["ConfigError", "SFTConfig", "from_dict", "load", "write_upstream_toml"]
 
 
-_ANY = object()
+def _list(*items: Any) -> Any:
+    """A ``default_factory`` field holding a fresh copy of ``items`` as a list."""
+    return dataclasses.field(default_factory=lambda: list(items))
 
-# table path -> {key: default}; the default's type is the accepted type (float accepts int).
-SCHEMA: dict[str, dict[str, Any]] = {
-    "job": {"task": "vfm", "experiment": "vision_sft_edge", "project": "cosmos3", "group": "sft",
-            "name": "vision_sft_edge", "wandb_mode": "disabled"},
-    "model": {"max_num_tokens_after_packing": 45056, "joint_attn_implementation": "two_way",
-              "precision": "bfloat16"},
-    "model.ema": {"enabled": True, "rate": 0.1, "iteration_shift": 0},
-    "model.parallelism": {"data_parallel_shard_degree": -1, "data_parallel_replicate_degree": 1},
-    "model.compile": {"enabled": True, "compile_dynamic": True},
-    "model.activation_checkpointing": {"mode": "full", "save_ops_regex": ["fmha"], "preserve_rng_state": True,
-                                       "determinism_check": "default"},
-    "model.tokenizer": {"vae_path": ""},
-    "optimizer": {"betas": [0.9, 0.95], "eps": 1.0e-6, "fused": True,
-                  "keys_to_select": ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"],
-                  "lr": 1.0e-4, "weight_decay": 0.0},
-    "scheduler": {"cycle_lengths": [1000], "f_max": [1.0], "f_min": [0.0], "f_start": [0.0],
-                  "verbosity_interval": 0, "warm_up_steps": [50]},
-    "trainer": {"distributed_parallelism": "fsdp", "grad_accum_iter": 2, "logging_iter": 1, "max_iter": 500},
-    "trainer.callbacks.compile_tokenizer": {"compile_after_iterations": 3, "enabled": False},
-    "trainer.callbacks.grad_clip": {"clip_norm": 0.1, "force_finite": True},
-    "checkpoint": {"keys_to_skip_loading": ["net_ema."], "load_path": "", "save_iter": 100},
-    "dataloader_train": {"max_sequence_length": 45056, "max_caption_tokens": 2048},
-    # Embedded-trainer-only settings.
-    "onecard": {
-        "preset": "auto",        # "edge", "tiny", or "auto" (edge on a GPU, tiny without one)
-        "loss_scale": 10.0,      # upstream flow-matching loss scale
-        "seed": 0,
-        "cfg_dropout": 0.1,      # caption dropout probability (classifier-free guidance)
-        # CPU smoke (tiny preset on a machine without a GPU): >0 replaces the value, and the run says so.
-        "cpu_max_iter": 0,
-        "cpu_grad_accum_iter": 0,
-        "cpu_max_sequence_length": 0,
-    },
-}
 
+def _table(cls: type) -> Any:
+    """A nested-table field defaulting to ``cls()``."""
+    return dataclasses.field(default_factory=cls)
+
+
+# ------------------------------------------------------------------------------------------- [job]
+@dataclasses.dataclass
+class JobConfig:
+    """``[job]``: what the run is called; the embedded trainer writes to ``OUTPUT_ROOT/project/group/name``."""
+
+    task: str = "vfm"
+    """Upstream task family."""
+    experiment: str = "vision_sft_edge"
+    """Upstream experiment the recipe derives from."""
+    project: str = "cosmos3"
+    """First folder of the run's output path."""
+    group: str = "sft"
+    """Second folder of the run's output path."""
+    name: str = "vision_sft_edge"
+    """The run's folder (checkpoints, summary.json, memory timeline)."""
+    wandb_mode: str = "disabled"
+    """Upstream's Weights & Biases mode (the embedded trainer logs nothing there)."""
+
+
+# ----------------------------------------------------------------------------------------- [model]
+@dataclasses.dataclass
+class EMAConfig:
+    """``[model.ema]``: the power-function EMA of the network (upstream ``OmniMoTModel.ema_beta``)."""
+
+    enabled: bool = True
+    """Keep an EMA of the weights at all."""
+    rate: float = 0.1
+    """sigma_rel of the power EMA; must lie in (0, 0.28)."""
+    iteration_shift: int = 0
+    """Added to the iteration before beta is computed."""
+
+
+@dataclasses.dataclass
+class ParallelismConfig:
+    """``[model.parallelism]``: upstream's FSDP mesh (the embedded trainer shards over all ranks)."""
+
+    data_parallel_shard_degree: int = -1
+    """Ranks a parameter is sharded over (-1: all)."""
+    data_parallel_replicate_degree: int = 1
+    """Replicas of each shard."""
+
+
+@dataclasses.dataclass
+class CompileConfig:
+    """``[model.compile]``: upstream's ``torch.compile`` settings (read by the upstream trainer only)."""
+
+    enabled: bool = True
+    """Compile the network."""
+    compile_dynamic: bool = True
+    """Compile with dynamic shapes."""
+
+
+@dataclasses.dataclass
+class ActivationCheckpointingConfig:
+    """``[model.activation_checkpointing]``: recompute activations in the backward pass."""
+
+    mode: str = "full"
+    """``full`` checkpoints every decoder layer (the embedded trainer honours ``full`` only)."""
+    save_ops_regex: list[str] = _list("fmha")
+    """Upstream selective checkpointing: ops whose outputs are kept."""
+    preserve_rng_state: bool = True
+    """Replay the RNG state in the recomputation."""
+    determinism_check: str = "default"
+    """torch.utils.checkpoint's determinism check."""
+
+
+@dataclasses.dataclass
+class TokenizerConfig:
+    """``[model.tokenizer]``: the Wan2.2 VAE."""
+
+    vae_path: str = ""
+    """Diffusers-format ``AutoencoderKLWan`` directory; empty: a random-init VAE."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """``[model]``: the network and its sub-tables."""
+
+    max_num_tokens_after_packing: int = 45056
+    """Upstream's packed sequence length (the embedded trainer packs to ``[dataloader_train]``'s cap)."""
+    joint_attn_implementation: str = "two_way"
+    """Upstream's joint attention kernel choice."""
+    precision: str = "bfloat16"
+    """Parameter dtype on a GPU (``bfloat16``; fp32 otherwise and always on the CPU)."""
+    ema: EMAConfig = _table(EMAConfig)
+    """``[model.ema]``."""
+    parallelism: ParallelismConfig = _table(ParallelismConfig)
+    """``[model.parallelism]``."""
+    compile: CompileConfig = _table(CompileConfig)
+    """``[model.compile]``."""
+    activation_checkpointing: ActivationCheckpointingConfig = _table(ActivationCheckpointingConfig)
+    """``[model.activation_checkpointing]``."""
+    tokenizer: TokenizerConfig = _table(TokenizerConfig)
+    """``[model.tokenizer]``."""
+
+
+# ------------------------------------------------------------------------------ [optimizer] [scheduler]
+@dataclasses.dataclass
+class OptimizerConfig:
+    """``[optimizer]``: AdamW over the trainable subset."""
+
+    betas: list[float] = _list(0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1.0e-6
+    """AdamW epsilon."""
+    fused: bool = True
+    """Fused AdamW kernel (on a GPU)."""
+    keys_to_select: list[str] = _list("moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen")
+    """Upstream module keys whose parameters are trained; everything else is frozen."""
+    lr: float = 1.0e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """``[scheduler]``: upstream's ``LambdaWarmUpCosineScheduler`` (the first cycle is used)."""
+
+    cycle_lengths: list[int] = _list(1000)
+    """Optimizer steps per cosine cycle."""
+    f_max: list[float] = _list(1.0)
+    """Peak multiplier of the learning rate."""
+    f_min: list[float] = _list(0.0)
+    """Final multiplier."""
+    f_start: list[float] = _list(0.0)
+    """Multiplier at step 0 (warm-up start)."""
+    verbosity_interval: int = 0
+    """Upstream's scheduler logging interval."""
+    warm_up_steps: list[int] = _list(50)
+    """Linear warm-up steps."""
+
+
+# --------------------------------------------------------------------------------------- [trainer]
+@dataclasses.dataclass
+class CompileTokenizerCallback:
+    """``[trainer.callbacks.compile_tokenizer]``: upstream compiles the VAE after a few iterations."""
+
+    compile_after_iterations: int = 3
+    """Iterations before the VAE is compiled."""
+    enabled: bool = False
+    """Whether upstream compiles the VAE."""
+
+
+@dataclasses.dataclass
+class GradClipCallback:
+    """``[trainer.callbacks.grad_clip]``: upstream ``GradClip``."""
+
+    clip_norm: float = 0.1
+    """Total gradient 2-norm is clipped to this."""
+    force_finite: bool = True
+    """Replace non-finite gradient entries by 0 before clipping."""
+
+
+@dataclasses.dataclass
+class CallbacksConfig:
+    """``[trainer.callbacks]``: a parent table only (its sub-tables hold the keys)."""
+
+    compile_tokenizer: CompileTokenizerCallback = _table(CompileTokenizerCallback)
+    """``[trainer.callbacks.compile_tokenizer]``."""
+    grad_clip: GradClipCallback = _table(GradClipCallback)
+    """``[trainer.callbacks.grad_clip]``."""
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """``[trainer]``: the loop."""
+
+    distributed_parallelism: str = "fsdp"
+    """Upstream's parallelism (FSDP2 over the ranks)."""
+    grad_accum_iter: int = 2
+    """Micro-batches per optimizer step."""
+    logging_iter: int = 1
+    """Upstream's logging interval."""
+    max_iter: int = 500
+    """Optimizer steps to train up to."""
+    callbacks: CallbacksConfig = _table(CallbacksConfig)
+    """``[trainer.callbacks.*]``."""
+
+
+# ---------------------------------------------------------------------- [checkpoint] [dataloader_train]
+@dataclasses.dataclass
+class CheckpointConfig:
+    """``[checkpoint]``: the base weights and how often to save."""
+
+    keys_to_skip_loading: list[str] = _list("net_ema.")
+    """Key substrings not loaded from the base checkpoint."""
+    load_path: str = ""
+    """Base checkpoint (diffusers directory or an onecard ``iter_*.pt``); empty: random init."""
+    save_iter: int = 100
+    """A checkpoint every this many optimizer steps (and at the end)."""
+
+
+@dataclasses.dataclass
+class DataloaderConfig:
+    """``[dataloader_train]``: packing."""
+
+    max_sequence_length: int = 45056
+    """Token cap of one packed micro-batch (the strict fit rule)."""
+    max_caption_tokens: int = 2048
+    """Captions are truncated to this many tokens."""
+
+
+# --------------------------------------------------------------------------------------- [onecard]
+@dataclasses.dataclass
+class OnecardConfig:
+    """``[onecard]``: settings only the embedded trainer reads (the launcher strips them for upstream)."""
+
+    preset: str = "auto"
+    """``edge``, ``tiny``, or ``auto`` (edge on a GPU, tiny without one)."""
+    loss_scale: float = 10.0
+    """Upstream flow-matching loss scale."""
+    seed: int = 0
+    """Seed of the init, the data order and the noise."""
+    cfg_dropout: float = 0.1
+    """Caption dropout probability (classifier-free guidance)."""
+    cpu_max_iter: int = 0
+    """CPU smoke (tiny preset, no GPU): > 0 replaces ``[trainer].max_iter``, and the run says so."""
+    cpu_grad_accum_iter: int = 0
+    """CPU smoke: > 0 replaces ``[trainer].grad_accum_iter``."""
+    cpu_max_sequence_length: int = 0
+    """CPU smoke: > 0 replaces ``[dataloader_train].max_sequence_length``."""
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """A validated SFT recipe: one attribute per TOML table (defaults filled in).
+
+    Attributes:
+        source: the TOML path it was read from (``None`` for defaults); not a TOML key.
+    """
+
+    job: JobConfig = _table(JobConfig)
+    """``[job]``."""
+    model: ModelConfig = _table(ModelConfig)
+    """``[model]`` and its sub-tables."""
+    optimizer: OptimizerConfig = _table(OptimizerConfig)
+    """``[optimizer]``."""
+    scheduler: SchedulerConfig = _table(SchedulerConfig)
+    """``[scheduler]``."""
+    trainer: TrainerConfig = _table(TrainerConfig)
+    """``[trainer]`` and its callbacks."""
+    checkpoint: CheckpointConfig = _table(CheckpointConfig)
+    """``[checkpoint]``."""
+    dataloader_train: DataloaderConfig = _table(DataloaderConfig)
+    """``[dataloader_train]``."""
+    onecard: OnecardConfig = _table(OnecardConfig)
+    """``[onecard]``."""
+
+    source: ClassVar[Path | None] = None
+
+
+# ------------------------------------------------------------------------------------------- loading
 _ENV_RE = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def _resolve_env(value: Any) -> Any:
+    """``${oc.env:NAME}`` replaced in every string of ``value`` (tables and lists walked)."""
     if isinstance(value, str):
         return _ENV_RE.sub(lambda m: os.environ.get(m.group(1), ""), value)
     if isinstance(value, list):
         return [_resolve_env(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _resolve_env(v) for k, v in value.items()}
     return value
 
 
-def _check_type(path: str, key: str, value: Any, default: Any) -> Any:
-    ok: bool
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, str):
-        ok = isinstance(value, str)
-    elif isinstance(default, list):
-        ok = isinstance(value, list)
-    else:
-        ok = True
-    if not ok:
-        raise ConfigError(
-            f"[{path}].{key} = {value!r} has the wrong type: expected {type(default).__name__} "
-            f"like the default {default!r}"
-        )
-    return value
+def _table_paths(cls: type, prefix: str = "") -> list[str]:
+    """Every table path of the dataclass tree under ``cls`` (``["job", "model", "model.ema", ...]``)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = _nested(cls, f.name)
+        if tp is not None:
+            path = f"{prefix}.{f.name}" if prefix else f.name
+            out += [path, *_table_paths(tp, path)]
+    return out
 
 
-class SFTConfig:
-    """A validated SFT config: ``cfg["trainer"]["grad_accum_iter"]``, ``cfg.get("model.ema", "rate")``.
+def _nested(cls: type, name: str) -> type | None:
+    """The dataclass type of field ``name`` of ``cls`` when it is a nested table, else ``None``."""
+    import typing
 
-    Attributes:
-        tables: ``{table path: {key: value}}`` with every schema key present (defaults filled in).
-        source: the TOML path it was read from (``None`` for defaults).
-    """
-
-    def __init__(self, tables: dict[str, dict[str, Any]], source: Path | None = None):
-        self.tables = tables
-        self.source = source
-
-    def __getitem__(self, table: str) -> dict[str, Any]:
-        return self.tables[table]
-
-    def get(self, table: str, key: str) -> Any:
-        return self.tables[table][key]
+    tp = typing.get_type_hints(cls).get(name)
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
 
 
-def _flatten(data: dict[str, Any], prefix: str, out: dict[str, dict[str, Any]], where: str) -> None:
-    scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
-    is_parent = any(t.startswith(prefix + ".") for t in SCHEMA)
-    if prefix and not (is_parent and not scalars and prefix not in SCHEMA):
-        if prefix not in SCHEMA:
-            raise ConfigError(
-                f"{where}: unknown table [{prefix}]; known tables: "
-                + ", ".join(f"[{t}]" for t in SCHEMA)
-            )
-        out[prefix] = scalars
-    elif scalars:
-        raise ConfigError(f"{where}: keys outside any table: {sorted(scalars)}; put them in a [table]")
-    for k, v in data.items():
-        if isinstance(v, dict):
-            _flatten(v, f"{prefix}.{k}" if prefix else k, out, where)
+def _check_tables(data: Mapping[str, Any], cls: type, where: str, prefix: str = "") -> None:
+    """Refuse the first table the schema does not know, naming every known table."""
+    for key, value in data.items():
+        if not isinstance(value, Mapping):
+            continue
+        path = f"{prefix}.{key}" if prefix else key
+        sub = _nested(cls, key) if key in {f.name for f in dataclasses.fields(cls)} else None
+        if sub is None:
+            known = ", ".join(f"[{t}]" for t in _table_paths(SFTConfig))
+            raise ConfigError(f"{where}: unknown table [{path}]; known tables: {known}")
+        _check_tables(value, sub, where, path)
 
 
-def from_dict(data: dict[str, Any], source: Path | None = None) -> SFTConfig:
-    """Validate a parsed TOML dict against :data:`SCHEMA`, fill defaults, resolve ``${oc.env:...}``.
+def from_dict(data: Mapping[str, Any], source: Path | None = None) -> SFTConfig:
+    """Validate a parsed TOML dict against the schema, fill defaults, resolve ``${oc.env:...}``.
 
     Raises:
         ConfigError: unknown table or key, or a value of the wrong type.
     """
     where = str(source) if source else "config"
-    found: dict[str, dict[str, Any]] = {}
-    _flatten(data, "", found, where)
-    tables: dict[str, dict[str, Any]] = {}
-    for path, defaults in SCHEMA.items():
-        given = found.get(path, {})
-        unknown = sorted(set(given) - set(defaults))
-        if unknown:
-            raise ConfigError(
-                f"{where}: unknown key(s) {unknown} in [{path}]; known keys: {sorted(defaults)}"
-            )
-        values = copy.deepcopy(defaults)
-        for k, v in given.items():
-            values[k] = _check_type(path, k, _resolve_env(v), defaults[k])
-        tables[path] = values
-    return SFTConfig(tables, source)
+    loose = sorted(k for k, v in data.items() if not isinstance(v, Mapping))
+    if loose:
+        raise ConfigError(f"{where}: keys outside any table: {loose}; put them in a [table]")
+    _check_tables(data, SFTConfig, where)
+    cfg = from_mapping(SFTConfig, _resolve_env(data), where)
+    cfg.source = source
+    return cfg
 
 
 def load(path: str | Path) -> SFTConfig:
@@ -182,7 +385,7 @@ def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
     """Write ``src`` without its ``[onecard]`` table (upstream's schema forbids unknown keys) to ``dst``.
 
     The recipe is validated first. The text is copied line by line, so comments and ``${oc.env:...}``
-    stay as written for upstream's resolver; ``dst`` is written to a temporary name and renamed.
+    stay as written for upstream's resolver; ``dst`` is written atomically (temporary name + rename).
 
     Raises:
         ConfigError: ``src`` is missing, unreadable or fails the schema.
@@ -196,12 +399,7 @@ def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
             skipping = header.group(1) == "onecard" or header.group(1).startswith("onecard.")
         if not skipping:
             kept.append(line)
-    out = Path(dst)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, out)
-    return out
+    return atomic_write_text(dst, "".join(kept))
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -210,12 +408,11 @@ def _main(argv: list[str] | None = None) -> int:
     if len(args) != 3 or args[0] != "upstream-toml":
         print("usage: python -m cosmos_framework_ext.config upstream-toml SRC DST", file=sys.stderr)
         return 2
-    try:
+
+    def run() -> None:
         write_upstream_toml(args[1], args[2])
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return cli(run)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from cosmos_framework_ext.presets import EdgePreset
+from patches.core.errors import UserError
 
 __all__ = [
     "DatasetError",
@@ -79,7 +80,7 @@ Size = tuple[int, int]
 """``(width, height)`` in pixels."""
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """Bad dataset input: the message names the offending file (line for JSONL) and the fix."""
 
 

@@ -84,13 +84,13 @@ def cosmos_ledger(
     """
     if world_size < 1:
         raise ValueError(f"world size {world_size} must be >= 1")
-    c = _counts(preset_name, cfg.get("optimizer", "keys_to_select"))
-    bf16 = device_type == "cuda" and cfg.get("model", "precision") == "bfloat16"
+    c = _counts(preset_name, cfg.optimizer.keys_to_select)
+    bf16 = device_type == "cuda" and cfg.model.precision == "bfloat16"
     b = 2 if bf16 else 4
     vae_b = 2 if device_type == "cuda" else 4
-    cap = cap or cfg.get("dataloader_train", "max_sequence_length")
+    cap = cap or cfg.dataloader_train.max_sequence_length
     shard = lambda n: -(-n // world_size)  # noqa: E731 - ceil division
-    ema_on = cfg.get("model.ema", "enabled")
+    ema_on = cfg.model.ema.enabled
     ema_lever = flags.get(EMA_CPU_SUBSET.name, False)
     vae_lever = flags.get(VAE_CPU_OFFLOAD.name, False)
     dt = "bf16" if b == 2 else "fp32"
@@ -122,7 +122,7 @@ def cosmos_ledger(
     items.append(Item("host process baseline", 0, HOST_BASELINE, note="torch + CUDA libraries + clip cache (measured)"))
     outside = [Item("CUDA context", CUDA_CONTEXT if device_type == "cuda" else 0, note="outside the allocator budget")]
     levers = ", ".join(f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD) if flags.get(f.name)) or "no levers"
-    title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {cfg.get('trainer', 'grad_accum_iter')}, "
+    title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {cfg.trainer.grad_accum_iter}, "
              f"EMA {'on' if ema_on else 'off'}, {levers}, {world_size} rank(s), {device_type}")
     return Ledger(title, items, outside)
 
@@ -141,7 +141,7 @@ def what_closes_the_gap(
             saved = (base - led.gpu_reserved) / GiB
             return f"to fit: set {' '.join(f + '=1' for f in turn_on)} (saves {saved:.2f} GiB)"
     both = dict(flags, **{EMA_CPU_SUBSET.name: True, VAE_CPU_OFFLOAD.name: True})
-    cap = cfg.get("dataloader_train", "max_sequence_length")
+    cap = cfg.dataloader_train.max_sequence_length
     while cap > 1024:
         cap -= 1024
         if cosmos_ledger(cfg, preset_name, both, world_size, cap=cap).fits(budget):

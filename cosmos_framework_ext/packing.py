@@ -28,9 +28,7 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -48,6 +46,7 @@ from cosmos_framework_ext.data import (
     prepare_sample_dataset,
 )
 from cosmos_framework_ext.presets import PRESETS, get_preset
+from patches.core.io import atomic_write_text
 
 __all__ = [
     "DEFAULT_LOOKAHEAD",
@@ -445,18 +444,6 @@ def plan(
 # --------------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _int_at_least(minimum: int):
     """An argparse type: a whole number >= ``minimum``."""
 
@@ -476,7 +463,7 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _planner_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m cosmos_framework_ext.packing",
         description="Predict upstream sequence packing for our token cap vs the multi-GPU reference, "
@@ -499,7 +486,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (argparse exits 2 itself on bad arguments)."""
-    args = _parser().parse_args(argv)
+    args = _planner_parser().parse_args(argv)
     preset = get_preset(args.preset)
     try:
         dataset = args.dataset
@@ -515,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"dataset: {dataset} (preset {preset.name})")
     print(report.format_table())
     if args.json is not None:
-        _atomic_write(args.json, report.to_json())
+        atomic_write_text(args.json, report.to_json())
     if report.ours.dropped:
         index, tokens = report.ours.dropped[0]
         rec = records[index]

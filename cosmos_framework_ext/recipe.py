@@ -43,8 +43,8 @@ def micro_batch_loss(
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, force_finite: bool = True) -> torch.Tensor:
-    """Upstream ``GradClip``: total 2-norm over all gradients; non-finite -> ``nan_to_num`` first; then clip.
+def grad_clip(params: list[torch.nn.Parameter], max_norm: float, force_finite: bool = True) -> torch.Tensor:
+    """Upstream ``GradClip`` callback: total 2-norm over all gradients; non-finite -> ``nan_to_num`` first; then clip.
 
     Returns the total norm before clipping (0-d tensor).
     """

@@ -9,6 +9,12 @@ strict fit rule, ``loss / grad_accum_iter``, AdamW (betas 0.9/0.95, eps 1e-6), w
 0.1 with ``force_finite``, power EMA updated after the optimizer step, bf16 compute with activation
 checkpointing. Random init unless ``[checkpoint].load_path`` names a diffusers-format checkpoint.
 
+The recipe is :class:`CosmosSFT`, run by the shared skeleton :func:`patches.core.trainer.run` (build ->
+levers -> resume -> loop -> summary); checkpoints are :class:`patches.core.checkpoint.CheckpointManager`'s
+(``checkpoints/iter_<9 digits>.pt`` + ``latest_checkpoint.txt``), each holding upstream's layout:
+``model`` with ``net.<k>`` and ``net_ema.<k>`` for every net key, plus the optimizer, the scheduler, the
+iteration, the micro-batches consumed and the EMA's update counter.
+
 Environment: ``DATASET_PATH``, ``BASE_CHECKPOINT_PATH``, ``WAN_VAE_PATH``, ``OUTPUT_ROOT`` (as upstream's
 launchers), ``COSMOS_EMA_CPU_SUBSET`` and ``COSMOS_VAE_CPU_OFFLOAD`` (the levers), ``ONECARD_DATA_CACHE``
 (where the sample dataset is prepared when no ``DATASET_PATH`` is given).
@@ -19,6 +25,8 @@ Exit status: 0 on success, 2 on bad input (one ``error:`` line naming the proble
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -26,56 +34,30 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from patches.core import flags as flagmod
+from patches.core import trainer as skeleton
+from patches.core.checkpoint import CheckpointManager
+from patches.core.errors import UserError, cli
 from patches.core.host_arena import pinned_bytes_total
+from patches.core.runtime import GiB, host_rss, median, rank_world
 from patches.core.sampler import MemorySampler
+from patches.core.trainer import StepResult
 
 from . import attention, config as cfgmod, data as datamod, packing
+from .ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from .ledger import cosmos_ledger, summary_line
-from .ema import CpuSubsetEMA, StockEMA, canonical_name, power_ema_beta, power_ema_gamma
 from .presets import build_transformer, build_vae, get_preset, select_trainable
-from .recipe import clip_grad_norm, flow_matching_inputs, micro_batch_loss, warmup_cosine
-from .vae_offload import VAEOffload, encode_latents
+from .recipe import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
+from .vae_offload import encode_latents, offload_from_env
 
 log = logging.getLogger("onecard.train")
-GiB = float(2**30)
 
 
-class UserError(ValueError):
-    """Bad input the user can fix (a missing path, a conflicting setting)."""
-
-
-# ----------------------------------------------------------------------------------------------- utils
-def _rank_world() -> tuple[int, int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-
-
-def _host_rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _atomic_write_bytes(path: Path, write) -> None:
-    """Write through ``write(tmp_path)`` then rename over ``path``: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    _atomic_write_bytes(path, lambda p: p.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
-
-
+# ---------------------------------------------------------------------------------------------- helpers
 def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Deterministic (seed, iteration, micro-batch) draw: logit-normal sigmas [n] and Gaussian noise."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 1_009 + micro)
@@ -84,29 +66,6 @@ def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size
     return sigmas, noise
 
 
-# ----------------------------------------------------------------------------------------- checkpoints
-def _checkpoint_dir(out_dir: Path) -> Path:
-    return out_dir / "checkpoints"
-
-
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The newest complete checkpoint in ``out_dir`` (named in ``latest_checkpoint.txt``), or None."""
-    marker = _checkpoint_dir(out_dir) / "latest_checkpoint.txt"
-    if not marker.is_file():
-        return None
-    path = _checkpoint_dir(out_dir) / marker.read_text().strip()
-    return path if path.is_file() else None
-
-
-def save_checkpoint(out_dir: Path, iteration: int, state: dict[str, Any]) -> Path:
-    """Write ``iter_<9 digits>.pt`` atomically (temp name + rename), then point ``latest_checkpoint.txt`` at it."""
-    path = _checkpoint_dir(out_dir) / f"iter_{iteration:09d}.pt"
-    _atomic_write_bytes(path, lambda p: torch.save(state, p))
-    _atomic_write_bytes(_checkpoint_dir(out_dir) / "latest_checkpoint.txt", lambda p: p.write_text(path.name + "\n"))
-    return path
-
-
-# ---------------------------------------------------------------------------------------------- setup
 def _resolve_device(local_rank: int) -> torch.device:
     """The rank's GPU, or the CPU; ``ONECARD_GPU_MEMORY_GIB`` caps the GPU (simulates a smaller card).
 
@@ -132,14 +91,12 @@ def _resolve_device(local_rank: int) -> torch.device:
     return device
 
 
-def prefetched(batches, workers: int = 2, depth: int = 2):
+def prefetched(batches: Iterable, workers: int = 2, depth: int = 2) -> Iterator:
     """Yield ``batches`` in order while decoding the next ``depth`` micro-batches' videos on threads.
 
     PyAV releases the GIL while decoding, so the decode of the next micro-batch overlaps this one's
     forward and backward. Decode errors surface when the batch is reached.
     """
-    import collections
-    import concurrent.futures
 
     def load(batch):
         for s in batch:
@@ -161,6 +118,7 @@ def prefetched(batches, workers: int = 2, depth: int = 2):
 
 
 def _load_base(model: torch.nn.Module, load_path: str, skip: list[str], dtype: torch.dtype) -> str:
+    """Load base weights (diffusers directory or onecard ``iter_*.pt``) into ``model``; returns a note."""
     path = Path(load_path)
     if not path.exists():
         raise UserError(
@@ -188,6 +146,7 @@ def _load_base(model: torch.nn.Module, load_path: str, skip: list[str], dtype: t
 
 
 def _load_vae_weights(vae: torch.nn.Module, vae_path: str) -> str:
+    """Load a diffusers-format ``AutoencoderKLWan`` directory into ``vae``; returns a note."""
     path = Path(vae_path)
     if not path.exists():
         raise UserError(
@@ -209,348 +168,411 @@ def _load_vae_weights(vae: torch.nn.Module, vae_path: str) -> str:
     return f"VAE weights from {path}"
 
 
-# ------------------------------------------------------------------------------------------------ run
+def _shard(model: torch.nn.Module, device: torch.device) -> None:
+    """FSDP2 per decoder layer and at the root (CPU offload policy on the CPU, as CPU FSDP2 needs)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kw = {} if device.type == "cuda" else {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+
+
+# ------------------------------------------------------------------------------------------- the recipe
+class CosmosSFT(skeleton.Recipe):
+    """The Cosmos3-Edge vision SFT recipe on the shared trainer skeleton.
+
+    Args:
+        args: the command line (:func:`parse_args`).
+    """
+
+    unit = "iteration"
+    more_hint = "pass --max-iter N (N > that) to train further"
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.trained = False
+        self.ema: EMA | None = None
+        self.mem: MemorySampler | None = None
+        self._it: Iterator | None = None
+
+    # ------------------------------------------------------------ 1. inputs (also --validate-only)
+    def prepare(self) -> None:
+        """Read the TOML and flags, pick the device, check everything the user controls, print the ledger.
+
+        Raises:
+            UserError: bad TOML, flag, path or setting (nothing has been written).
+        """
+        self.cfg = cfgmod.load(self.args.sft_toml)
+        self.flags = flagmod.read_all()
+        self.ema_lever = self.flags[flagmod.EMA_CPU_SUBSET.name]
+        self.vae_lever = self.flags[flagmod.VAE_CPU_OFFLOAD.name]
+        self.rank, self.world, local_rank = rank_world()
+        self.device = _resolve_device(local_rank)
+        if self.world > 1 and not torch.distributed.is_initialized():
+            torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.main_rank = self.rank == 0
+        self._check_recipe()
+        self._check_paths()
+        self._resolve_schedule()
+        self._print_plan()
+
+    def _check_recipe(self) -> None:
+        """The preset, the trainable selection and the EMA rate, validated before anything is built."""
+        cfg = self.cfg
+        name = cfg.onecard.preset
+        if name == "auto":
+            name = "edge" if self.device.type == "cuda" else "tiny"
+        try:
+            self.preset = get_preset(name)
+            names = [n for n, _ in build_transformer(self.preset, device="meta").named_parameters()]
+            self.trainable = select_trainable(names, cfg.optimizer.keys_to_select)
+            if cfg.model.ema.enabled:
+                power_ema_gamma(cfg.model.ema.rate)
+        except ValueError as e:
+            raise UserError(f"{cfg.source}: {e}") from None
+
+    def _check_paths(self) -> None:
+        """Every path the environment or the TOML names must exist."""
+        for var, value in (("DATASET_PATH", os.environ.get("DATASET_PATH", "")),
+                           ("BASE_CHECKPOINT_PATH", self.cfg.checkpoint.load_path),
+                           ("WAN_VAE_PATH", self.cfg.model.tokenizer.vae_path)):
+            if value and not Path(value).exists():
+                raise UserError(f"{var}={value} does not exist: point it at an existing path, or unset it "
+                                f"({'the sample dataset is used' if var == 'DATASET_PATH' else 'random init is used'})")
+
+    def _resolve_schedule(self) -> None:
+        """max_iter, grad_accum_iter and the cap: the recipe's, the CPU smoke's, or ``--max-iter``."""
+        cfg = self.cfg
+        max_iter, self.ga, self.cap = cfg.trainer.max_iter, cfg.trainer.grad_accum_iter, cfg.dataloader_train.max_sequence_length
+        self.smoke = ""
+        if self.device.type == "cpu" and self.preset.name == "tiny":
+            oc = cfg.onecard
+            max_iter = oc.cpu_max_iter or max_iter
+            self.ga = oc.cpu_grad_accum_iter or self.ga
+            self.cap = oc.cpu_max_sequence_length or self.cap
+            self.smoke = (f" (CPU smoke: [onecard] cpu_* values replace the recipe's, cap {self.cap}, "
+                          f"grad_accum_iter {self.ga})")
+        self.max_steps = self.args.max_iter or max_iter
+
+    def _print_plan(self) -> None:
+        """The run's one-line plan and its memory ledger (rank 0)."""
+        dev = self.device
+        self.ledger = cosmos_ledger(self.cfg, self.preset.name, self.flags, world_size=self.world,
+                                    device_type=dev.type, cap=self.cap)
+        if not self.main_rank:
+            return
+        where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no GPU found)"
+        print(f"onecard: preset {self.preset.name} on {where}, {self.world} rank(s), max_iter {self.max_steps}{self.smoke}; "
+              f"{flagmod.EMA_CPU_SUBSET.name}={int(self.ema_lever)} {flagmod.VAE_CPU_OFFLOAD.name}={int(self.vae_lever)}",
+              flush=True)
+        budget = None
+        if dev.type == "cuda":
+            budget = (int(float(os.environ.get("ONECARD_GPU_MEMORY_GIB") or 0) * GiB)
+                      or torch.cuda.get_device_properties(dev).total_memory)
+        print(self.ledger.format(budget), flush=True)
+
+    # ------------------------------------------------------------ 2. the stock recipe
+    def build(self, stack: contextlib.ExitStack) -> None:
+        """Inputs, then data, model, VAE (on the host until the levers place it), optimizer and schedule."""
+        self.prepare()
+        self._stack = stack
+        job = self.cfg.job
+        self.run_dir = Path(os.environ.get("OUTPUT_ROOT") or "outputs/train") / job.project / job.group / job.name
+        self.checkpoints = CheckpointManager(self.run_dir, write=self.main_rank)
+        self.consumed = 0
+        self._build_data()
+        self._build_model()
+        self._build_vae()
+        self._build_optimizer()
+
+    def _build_data(self) -> None:
+        """The dataset (``DATASET_PATH`` or the sample dataset, prepared once by rank 0) and the packing loader."""
+        cfg = self.cfg
+        dataset_path = os.environ.get("DATASET_PATH", "")
+        if dataset_path:
+            self.ds_root = Path(dataset_path)
+        else:
+            self.ds_root = datamod.default_sample_dataset_root(self.preset)
+            if self.main_rank:
+                datamod.prepare_sample_dataset(self.ds_root, self.preset)
+            if self.world > 1:
+                torch.distributed.barrier()
+        self.records = datamod.load_records(self.ds_root)
+        self.tokenizer = datamod.CaptionTokenizer()
+        seed = cfg.onecard.seed
+        source = datamod.SampleSource(self.records, self.tokenizer, self.preset,
+                                      max_caption_tokens=cfg.dataloader_train.max_caption_tokens,
+                                      seed=seed, cfg_dropout=cfg.onecard.cfg_dropout)
+        self.loader = packing.PackingLoader(source, cap=self.cap, rank=self.rank, world_size=self.world, seed=seed)
+
+    def _build_model(self) -> None:
+        """The transformer (seeded random init), its trainable subset, checkpointing, packed attention, FSDP2."""
+        cfg, device = self.cfg, self.device
+        self.dtype = torch.bfloat16 if (device.type == "cuda" and cfg.model.precision == "bfloat16") else torch.float32
+        torch.manual_seed(cfg.onecard.seed)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            model = build_transformer(self.preset, device=device)
+        finally:
+            torch.set_default_dtype(prev)
+        tset = set(self.trainable)
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in tset)
+        self.n_total = sum(p.numel() for p in model.parameters())
+        self.n_train = sum(p.numel() for n, p in model.named_parameters() if n in tset)
+        if cfg.model.activation_checkpointing.mode == "full":
+            model.enable_gradient_checkpointing()
+        self.proc = attention.install(model)
+        model.train()
+        if self.world > 1:
+            _shard(model, device)
+        self.model = model
+        self.params = [p for n, p in model.named_parameters() if n in tset]
+        self.init_note = "random init (no BASE_CHECKPOINT_PATH): weights are NOT a trained Cosmos3-Edge"
+
+    def _build_vae(self) -> None:
+        """The frozen Wan2.2 VAE on the host, with its weights when ``WAN_VAE_PATH`` is set."""
+        self.vae_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.vae = build_vae(self.preset, dtype=self.vae_dtype)
+        self.vae_note = "random-init VAE (no WAN_VAE_PATH)"
+        if self.cfg.model.tokenizer.vae_path:
+            self.vae_note = _load_vae_weights(self.vae, self.cfg.model.tokenizer.vae_path)
+
+    def _build_optimizer(self) -> None:
+        """AdamW over the trainable subset and upstream's warm-up + cosine schedule."""
+        o, sc = self.cfg.optimizer, self.cfg.scheduler
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                     weight_decay=o.weight_decay, fused=bool(o.fused and self.device.type == "cuda"))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: warmup_cosine(s, sc.warm_up_steps[0], sc.cycle_lengths[0], sc.f_start[0],
+                                              sc.f_max[0], sc.f_min[0]),
+        )
+
+    # ------------------------------------------------------------ 3. the levers
+    def attach_levers(self, stack: contextlib.ExitStack) -> None:
+        """Place the VAE (parked on the host, lever 2, or resident) and the EMA (CPU subset, lever 1, or device)."""
+        self.offload = offload_from_env(self.vae, self.device)
+        self.vae_on_device = self.offload.on_device if self.offload is not None else contextlib.nullcontext
+        ema_cfg = self.cfg.model.ema
+        self.gamma = 0.0
+        self.ema_note = "off"
+        if ema_cfg.enabled:
+            self.gamma = power_ema_gamma(ema_cfg.rate)
+            placement = "cpu_subset" if self.ema_lever else "device"
+            self.ema = EMA(self.model, placement=placement, trainable=self.trainable)
+            self.ema.attach_optimizer(self.opt)
+            stack.callback(self.ema.close)
+            self.ema_note = "CPU subset (lever)" if self.ema_lever else f"stock full fp32 clone on {self.device}"
+        elif self.ema_lever and self.main_rank:
+            print("onecard: COSMOS_EMA_CPU_SUBSET=1 has no effect: [model.ema].enabled = false in this TOML")
+
+    # ------------------------------------------------------------ 4. checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Upstream's layout: ``model`` holds ``net.<k>`` and ``net_ema.<k>`` for every net key."""
+        with self.mem.phase("checkpoint"):
+            model = {f"net.{canonical_name(k)}": v.detach().cpu() for k, v in self.model.state_dict().items()}
+            ema = self.ema.state_dict() if self.ema is not None else {"num_updates": 0, "shadow": {}}
+            model.update({f"net_ema.{k}": v for k, v in ema["shadow"].items()})
+            return {
+                "model": model,
+                "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(),
+                "iteration": self.done,
+                "micro_batches_consumed": self.consumed,
+                "ema_num_updates": ema["num_updates"],
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> int:
+        """Resume the same job: net, EMA (with its counter), optimizer, schedule and data position."""
+        self.model.load_state_dict({k[4:]: v for k, v in state["model"].items() if k.startswith("net.")})
+        if self.ema is not None:
+            shadow = {k[8:]: v for k, v in state["model"].items() if k.startswith("net_ema.")}
+            self.ema.load_state_dict({"num_updates": state.get("ema_num_updates", 0), "shadow": shadow})
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.consumed = state["micro_batches_consumed"]
+        return state["iteration"]
+
+    def on_resume(self, path: Path, step: int) -> None:
+        self.init_note = f"resumed from {path} at iteration {step}"
+        self._print_model()
+
+    def warm_start(self) -> None:
+        """Base weights from ``[checkpoint].load_path`` (the EMA re-seeded from them), else random init."""
+        load_path = self.cfg.checkpoint.load_path
+        if load_path:
+            self.init_note = _load_base(self.model, load_path, self.cfg.checkpoint.keys_to_skip_loading, self.dtype)
+            if self.ema is not None:
+                net = {canonical_name(n): p.detach() for n, p in self.model.named_parameters()}
+                self.ema.load_state_dict({"num_updates": 0, "shadow": net})
+        self._print_model()
+
+    def _print_model(self) -> None:
+        if not self.main_rank:
+            return
+        print(f"onecard: model {self.n_total:,} params, trainable {self.n_train:,} ({len(self.trainable)} tensors) by "
+              f"keys_to_select {self.cfg.optimizer.keys_to_select}; {self.dtype}; {self.init_note}")
+        vae = "parked on host (lever)" if self.offload is not None else f"resident on {self.device}"
+        print(f"onecard: {self.vae_note}; VAE {vae}; EMA {self.ema_note}; dataset {self.ds_root} "
+              f"({len(self.records)} rows); cap {self.cap}, grad_accum_iter {self.ga}")
+
+    def save_due(self, done: int) -> bool:
+        return not self.args.no_save and (done % self.cfg.checkpoint.save_iter == 0 or done == self.max_steps)
+
+    # ------------------------------------------------------------ 5. the loop
+    def _begin(self) -> None:
+        """Before the first step of this process: data position, prefetch, peak reset, memory sampler."""
+        it = iter(self.loader)
+        for _ in range(self.consumed):  # fast-forward to where the checkpoint stopped (decoding is lazy)
+            next(it)
+        self._it = prefetched(it, workers=max(1, min(8, (os.cpu_count() or 2) - 1)))
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.mem = MemorySampler(self.device, interval_s=float(os.environ.get("ONECARD_SAMPLE_S") or 0.5)).start()
+        self._stack.callback(self.mem.stop)
+        self.peak_rss = host_rss()
+        self.micro_times: list[float] = []
+        self.ema_wait_s: list[float] = []
+        self.trained = True
+
+    def train_step(self, step: int) -> StepResult:
+        """``grad_accum_iter`` packed micro-batches, the optimizer step, the EMA update."""
+        if self._it is None:
+            self._begin()
+        t0 = time.perf_counter()
+        n_samples, loss_sum = 0, 0.0
+        for micro in range(self.ga):
+            n, loss = self._micro_batch(step, micro)
+            n_samples += n
+            loss_sum += loss
+        self._optimizer_step(step)
+        self._sync()
+        seconds = time.perf_counter() - t0
+        self.done = step + 1
+        self.peak_rss = max(self.peak_rss, host_rss())
+        peak_gib = torch.cuda.max_memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
+        ema_beta = f"{self.ema.last_beta:.4f}" if self.ema is not None else "off"
+        return StepResult(loss=loss_sum, samples=n_samples, seconds=seconds,
+                          postfix={"peak_gib": f"{peak_gib:.2f}", "ema_beta": ema_beta})
+
+    def _micro_batch(self, iteration: int, micro: int) -> tuple[int, float]:
+        """Encode, noise, forward and backward one packed micro-batch; returns (samples, loss)."""
+        t0 = time.perf_counter()
+        batch = next(self._it)
+        self.consumed += 1
+        device, mem = self.device, self.mem
+        with mem.phase("encode"), self.vae_on_device(), torch.no_grad():
+            x0 = [encode_latents(self.vae, s.video.unsqueeze(0).to(device, self.vae_dtype)).float() for s in batch]
+        sigmas, noise = _sample_noise(self.cfg.onecard.seed, iteration, micro, [x.shape for x in x0])
+        xt, targets = [], []
+        for x, e, sg in zip(x0, noise, sigmas):
+            a, v = flow_matching_inputs(x, e.to(device), float(sg))
+            xt.append(a.to(self.dtype))
+            targets.append(v)
+        tok = self.tokenizer
+        text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
+        kwargs, self.proc.segments = attention.build_packed_inputs(
+            self.model.config, text, xt, sigmas, [s.record.fps for s in batch], device
+        )
+        with mem.phase("forward"):
+            preds = self.model(**kwargs).sample
+            loss = micro_batch_loss(preds, targets, self.cfg.onecard.loss_scale, self.ga)
+        with mem.phase("backward"):
+            loss.backward()
+        value = float(loss.detach())
+        self.proc.segments = None
+        self._sync()
+        self.micro_times.append(time.perf_counter() - t0)
+        return len(batch), value
+
+    def _optimizer_step(self, iteration: int) -> None:
+        """Grad clip + AdamW + schedule, then the EMA update (its critical-path time is recorded)."""
+        # EMA on the critical path: for the CPU subset, waiting for the previous host lerp (if the
+        # micro-batches did not hide it) plus issuing the copies; on the device, the update itself.
+        wait = self.ema.synchronize() if self.ema is not None else 0.0
+        gc = self.cfg.trainer.callbacks.grad_clip
+        with self.mem.phase("optimizer"):
+            grad_clip(self.params, gc.clip_norm, gc.force_finite)
+            self.opt.step()
+            self.sched.step()
+        if self.ema is not None:
+            beta = power_ema_beta(iteration, self.gamma, self.cfg.model.ema.iteration_shift)
+            self._sync()
+            te = time.perf_counter()
+            with self.mem.phase("ema"):
+                self.ema.step(beta)
+            self.ema_wait_s.append(wait + time.perf_counter() - te)
+        self.opt.zero_grad(set_to_none=True)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------ 6. the summary
+    def summary(self, start: int, results: list[StepResult], checkpoint: Path | None) -> dict[str, Any]:
+        """What the run did: steps, drops, EMA, VAE offload, timings, memory peaks (and the timeline files)."""
+        if self.ema is not None:
+            self.ema.synchronize()
+        self.mem.stop()
+        timeline = self.mem.write(self.run_dir) if self.main_rank else {}
+        cuda = self.device.type == "cuda"
+        step_times = [r.seconds for r in results]
+        return {
+            "preset": self.preset.name,
+            "device": torch.cuda.get_device_name(self.device) if cuda else "cpu",
+            "world_size": self.world,
+            "steps": self.max_steps - start,
+            "final_iteration": self.max_steps,
+            "grad_accum_iter": self.ga,
+            "cap": self.cap,
+            "samples_per_optimizer_step": [r.samples for r in results],
+            "drops": self.loader.dropped_count,
+            "last_loss": results[-1].loss if results else float("nan"),
+            "ema": self._ema_summary(),
+            "vae_offload": None if self.offload is None else dict(self.offload.stats),
+            "s_per_step_median": median(step_times[1:] or step_times),
+            "s_per_micro_batch_median": median(self.micro_times[self.ga:] or self.micro_times),
+            "ledger": summary_line(self.ledger),
+            "peak_gpu_gib": torch.cuda.max_memory_allocated(self.device) / GiB if cuda else 0.0,
+            "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(self.device) / GiB if cuda else 0.0,
+            "peak_host_rss_gib": self.peak_rss / GiB,
+            "pinned_bytes": pinned_bytes_total(),
+            "checkpoint": str(checkpoint) if checkpoint else None,
+            "flags": self.flags,
+            "memory": self.mem.peaks(),
+            "timeline": {k: str(v) for k, v in timeline.items()},
+            "init": self.init_note,
+        }
+
+    def _ema_summary(self) -> dict[str, Any] | None:
+        if self.ema is None:
+            return None
+        return {"kind": type(self.ema).__name__, "placement": self.ema.placement, "last_beta": self.ema.last_beta,
+                "gamma": self.gamma, "num_updates": self.ema.num_updates,
+                "critical_path_s_median": median(self.ema_wait_s)}
+
+
+# ------------------------------------------------------------------------------------------- entry points
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train as ``args`` and the environment say; returns the summary (also written as ``summary.json``).
 
+    With ``--validate-only``: check the inputs, print the ledger, return ``{"validated": True}``.
     Background helpers (memory sampler, EMA worker) are stopped whether the run ends or raises.
+
+    Raises:
+        UserError: bad input (TOML, flags, paths, dataset), before anything is written.
     """
-    with contextlib.ExitStack() as stack:
-        return _run(args, stack)
-
-
-def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
-    cfg = cfgmod.load(args.sft_toml)
-    env_flags = flagmod.read_all()
-    ema_lever = env_flags[flagmod.EMA_CPU_SUBSET.name]
-    vae_lever = env_flags[flagmod.VAE_CPU_OFFLOAD.name]
-    rank, world, local_rank = _rank_world()
-    device = _resolve_device(local_rank)
-    if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    main_rank = rank == 0
-
-    preset_name = cfg.get("onecard", "preset")
-    if preset_name == "auto":
-        preset_name = "edge" if device.type == "cuda" else "tiny"
-    try:
-        preset = get_preset(preset_name)
-        # Validate everything the user controls before anything is built or written.
-        names = [n for n, _ in build_transformer(preset, device="meta").named_parameters()]
-        trainable = select_trainable(names, cfg.get("optimizer", "keys_to_select"))
-        if cfg.get("model.ema", "enabled"):
-            power_ema_gamma(cfg.get("model.ema", "rate"))
-    except ValueError as e:
-        raise UserError(f"{cfg.source}: {e}") from None
-    for var, value in (("DATASET_PATH", os.environ.get("DATASET_PATH", "")),
-                       ("BASE_CHECKPOINT_PATH", cfg.get("checkpoint", "load_path")),
-                       ("WAN_VAE_PATH", cfg.get("model.tokenizer", "vae_path"))):
-        if value and not Path(value).exists():
-            raise UserError(f"{var}={value} does not exist: point it at an existing path, or unset it "
-                            f"({'the sample dataset is used' if var == 'DATASET_PATH' else 'random init is used'})")
-    max_iter = cfg.get("trainer", "max_iter")
-    ga = cfg.get("trainer", "grad_accum_iter")
-    cap = cfg.get("dataloader_train", "max_sequence_length")
-    smoke = ""
-    if device.type == "cpu" and preset.name == "tiny":
-        oc = cfg["onecard"]
-        max_iter = oc["cpu_max_iter"] or max_iter
-        ga = oc["cpu_grad_accum_iter"] or ga
-        cap = oc["cpu_max_sequence_length"] or cap
-        smoke = f" (CPU smoke: [onecard] cpu_* values replace the recipe's, cap {cap}, grad_accum_iter {ga})"
-    max_iter = args.max_iter or max_iter
-    if main_rank:
-        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no GPU found)"
-        print(
-            f"onecard: preset {preset.name} on {where}, {world} rank(s), max_iter {max_iter}{smoke}; "
-            f"{flagmod.EMA_CPU_SUBSET.name}={int(ema_lever)} {flagmod.VAE_CPU_OFFLOAD.name}={int(vae_lever)}",
-            flush=True,
-        )
-    ledger = cosmos_ledger(cfg, preset.name, env_flags, world_size=world, device_type=device.type, cap=cap)
-    if main_rank:
-        budget = None
-        if device.type == "cuda":
-            budget = (int(float(os.environ.get("ONECARD_GPU_MEMORY_GIB") or 0) * GiB)
-                      or torch.cuda.get_device_properties(device).total_memory)
-        print(ledger.format(budget), flush=True)
+    recipe = CosmosSFT(args)
     if args.validate_only:
+        recipe.prepare()
         return {"validated": True}
-
-    seed = cfg.get("onecard", "seed")
-    out_root = Path(os.environ.get("OUTPUT_ROOT") or "outputs/train")
-    job = cfg["job"]
-    out_dir = out_root / job["project"] / job["group"] / job["name"]
-
-    # ---- data
-    dataset_path = os.environ.get("DATASET_PATH", "")
-    if dataset_path:
-        ds_root = Path(dataset_path)
-    else:
-        ds_root = datamod.default_sample_dataset_root(preset)
-        if main_rank:
-            datamod.prepare_sample_dataset(ds_root, preset)
-        if world > 1:
-            torch.distributed.barrier()
-    records = datamod.load_records(ds_root)
-    tokenizer = datamod.CaptionTokenizer()
-    source = datamod.SampleSource(
-        records, tokenizer, preset,
-        max_caption_tokens=cfg.get("dataloader_train", "max_caption_tokens"),
-        seed=seed, cfg_dropout=cfg.get("onecard", "cfg_dropout"),
-    )
-    loader = packing.PackingLoader(source, cap=cap, rank=rank, world_size=world, seed=seed)
-
-    # ---- model
-    dtype = torch.bfloat16 if (device.type == "cuda" and cfg.get("model", "precision") == "bfloat16") else torch.float32
-    torch.manual_seed(seed)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = build_transformer(preset, device=device)
-    finally:
-        torch.set_default_dtype(prev)
-    init_note = "random init (no BASE_CHECKPOINT_PATH): weights are NOT a trained Cosmos3-Edge"
-    load_path = cfg.get("checkpoint", "load_path")
-    tset = set(trainable)
-    for n, p in model.named_parameters():
-        p.requires_grad_(n in tset)
-    n_total = sum(p.numel() for p in model.parameters())
-    n_train = sum(p.numel() for n, p in model.named_parameters() if n in tset)
-    if cfg.get("model.activation_checkpointing", "mode") == "full":
-        model.enable_gradient_checkpointing()
-    proc = attention.install(model)
-    model.train()
-
-    if world > 1:
-        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-        kw = {} if device.type == "cuda" else {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
-        for layer in model.layers:
-            fully_shard(layer, **kw)
-        fully_shard(model, **kw)
-
-    # ---- VAE
-    vae_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    vae = build_vae(preset, dtype=vae_dtype)
-    vae_note = "random-init VAE (no WAN_VAE_PATH)"
-    vae_path = cfg.get("model.tokenizer", "vae_path")
-    if vae_path:
-        vae_note = _load_vae_weights(vae, vae_path)
-    offload = None
-    if vae_lever:
-        offload = VAEOffload(vae, device)
-    else:
-        vae.to(device)
-
-    # ---- optimizer, schedule, EMA
-    params = [p for n, p in model.named_parameters() if n in tset]
-    opt = torch.optim.AdamW(
-        params, lr=cfg.get("optimizer", "lr"), betas=tuple(cfg.get("optimizer", "betas")),
-        eps=cfg.get("optimizer", "eps"), weight_decay=cfg.get("optimizer", "weight_decay"),
-        fused=bool(cfg.get("optimizer", "fused") and device.type == "cuda"),
-    )
-    sc = cfg["scheduler"]
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: warmup_cosine(s, sc["warm_up_steps"][0], sc["cycle_lengths"][0], sc["f_start"][0],
-                                     sc["f_max"][0], sc["f_min"][0]),
-    )
-    ema_cfg = cfg["model.ema"]
-    ema: CpuSubsetEMA | StockEMA | None = None
-    gamma = 0.0
-    if ema_cfg["enabled"]:
-        gamma = power_ema_gamma(ema_cfg["rate"])
-        if ema_lever:
-            ema = CpuSubsetEMA(model, trainable)
-            ema.attach_optimizer(opt)
-            stack.callback(ema.close)
-        else:
-            ema = StockEMA(model)
-    elif ema_lever and main_rank:
-        print("onecard: COSMOS_EMA_CPU_SUBSET=1 has no effect: [model.ema].enabled = false in this TOML")
-
-    # ---- resume (same job) or warm start
-    start_iter, consumed = 0, 0
-    ckpt = latest_checkpoint(out_dir)
-    if ckpt is not None:
-        blob = torch.load(ckpt, map_location="cpu", weights_only=False)
-        net = {k[4:]: v for k, v in blob["model"].items() if k.startswith("net.")}
-        model.load_state_dict(net)
-        if ema is not None:
-            ema_state = {k[8:]: v for k, v in blob["model"].items() if k.startswith("net_ema.")}
-            ema.load_state_dict(ema_state)
-            ema.num_updates = blob.get("ema_num_updates", 0)
-        opt.load_state_dict(blob["optimizer"])
-        sched.load_state_dict(blob["scheduler"])
-        start_iter, consumed = blob["iteration"], blob["micro_batches_consumed"]
-        init_note = f"resumed from {ckpt} at iteration {start_iter}"
-    elif load_path:
-        init_note = _load_base(model, load_path, cfg.get("checkpoint", "keys_to_skip_loading"), dtype)
-        if isinstance(ema, StockEMA):
-            ema = StockEMA(model)
-        elif isinstance(ema, CpuSubsetEMA):
-            ema.load_state_dict({canonical_name(n): p.detach() for n, p in model.named_parameters()})
-    if main_rank:
-        print(f"onecard: model {n_total:,} params, trainable {n_train:,} ({len(trainable)} tensors) by "
-              f"keys_to_select {cfg.get('optimizer', 'keys_to_select')}; {dtype}; {init_note}")
-        print(f"onecard: {vae_note}; VAE {'parked on host (lever)' if offload else 'resident on ' + str(device)}; "
-              f"EMA {'off' if ema is None else ('CPU subset (lever)' if ema_lever else 'stock full fp32 clone on ' + str(device))}; "
-              f"dataset {ds_root} ({len(records)} rows); cap {cap}, grad_accum_iter {ga}")
-
-    if start_iter >= max_iter:
-        if main_rank:
-            print(f"onecard: nothing to do: {ckpt} is already at iteration {start_iter} >= max_iter {max_iter}; "
-                  "pass --max-iter N (N > that) to train further")
-        return json.loads((out_dir / "summary.json").read_text()) if (out_dir / "summary.json").is_file() else {}
-    loss_scale = cfg.get("onecard", "loss_scale")
-    gc = cfg["trainer.callbacks.grad_clip"]
-    it = iter(loader)
-    for _ in range(consumed):  # fast-forward to where the checkpoint stopped (decoding is lazy)
-        next(it)
-    it = prefetched(it, workers=max(1, min(8, (os.cpu_count() or 2) - 1)))
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    mem = MemorySampler(device, interval_s=float(os.environ.get("ONECARD_SAMPLE_S") or 0.5)).start()
-    stack.callback(mem.stop)
-    peak_rss = _host_rss()
-    step_times: list[float] = []
-    samples_per_step: list[int] = []
-    ema_wait_s: list[float] = []
-    micro_times: list[float] = []
-    last_loss = float("nan")
-    beta = 0.0
-    ckpt_path: Path | None = None
-    from tqdm import tqdm
-
-    bar = tqdm(total=max_iter, initial=start_iter, disable=not main_rank, dynamic_ncols=True, file=sys.stdout)
-    for iteration in range(start_iter, max_iter):
-        t0 = time.perf_counter()
-        n_samples = 0
-        loss_sum = 0.0
-        for micro in range(ga):
-            tm = time.perf_counter()
-            batch = next(it)
-            consumed += 1
-            n_samples += len(batch)
-            with mem.phase("encode"), (offload.on_device() if offload else contextlib.nullcontext()), torch.no_grad():
-                x0 = [encode_latents(vae, s.video.unsqueeze(0).to(device, vae_dtype)).float() for s in batch]
-            sigmas, noise = _sample_noise(seed, iteration, micro, [x.shape for x in x0])
-            xt, targets = [], []
-            for x, e, sg in zip(x0, noise, sigmas):
-                a, v = flow_matching_inputs(x, e.to(device), float(sg))
-                xt.append(a.to(dtype))
-                targets.append(v)
-            text = [s.text_ids + [tokenizer.eos_id, tokenizer.vision_start_id, tokenizer.vision_end_id] for s in batch]
-            kwargs, proc.segments = attention.build_packed_inputs(
-                model.config, text, xt, sigmas, [s.record.fps for s in batch], device
-            )
-            with mem.phase("forward"):
-                preds = model(**kwargs).sample
-                loss = micro_batch_loss(preds, targets, loss_scale, ga)
-            with mem.phase("backward"):
-                loss.backward()
-            loss_sum += float(loss.detach())
-            proc.segments = None
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            micro_times.append(time.perf_counter() - tm)
-        # EMA on the critical path: for the lever, waiting for the previous host lerp (if the micro-batches
-        # did not hide it) plus issuing the copies; for stock, the GPU update itself.
-        wait = ema.synchronize() if isinstance(ema, CpuSubsetEMA) else 0.0
-        with mem.phase("optimizer"):
-            clip_grad_norm(params, gc["clip_norm"], gc["force_finite"])
-            opt.step()
-            sched.step()
-        if ema is not None:
-            beta = power_ema_beta(iteration, gamma, ema_cfg["iteration_shift"])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            te = time.perf_counter()
-            with mem.phase("ema"):
-                ema.step(model, beta)
-                if isinstance(ema, StockEMA) and device.type == "cuda":
-                    torch.cuda.synchronize(device)
-            ema_wait_s.append(wait + time.perf_counter() - te)
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        step_times.append(time.perf_counter() - t0)
-        samples_per_step.append(n_samples)
-        last_loss = loss_sum
-        peak_rss = max(peak_rss, _host_rss())
-        peak_gib = torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else 0.0
-        bar.set_postfix(step=iteration + 1, loss=f"{last_loss:.4f}", s_step=f"{step_times[-1]:.2f}",
-                        peak_gib=f"{peak_gib:.2f}", ema_beta=f"{beta:.4f}" if ema is not None else "off",
-                        refresh=False)
-        bar.update(1)
-        done = iteration + 1
-        if not args.no_save and (done % cfg.get("checkpoint", "save_iter") == 0 or done == max_iter):
-            with mem.phase("checkpoint"):
-                ckpt_path = _save(out_dir, done, consumed, model, ema, opt, sched, main_rank)
-    bar.close()
-    if ema is not None:
-        ema.synchronize()
-    mem.stop()
-    timeline = mem.write(out_dir) if main_rank else {}
-
-    summary = {
-        "preset": preset.name,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "world_size": world,
-        "steps": max_iter - start_iter,
-        "final_iteration": max_iter,
-        "grad_accum_iter": ga,
-        "cap": cap,
-        "samples_per_optimizer_step": samples_per_step,
-        "drops": loader.dropped_count,
-        "last_loss": last_loss,
-        "ema": None if ema is None else {"kind": type(ema).__name__, "last_beta": beta, "gamma": gamma,
-                                         "num_updates": ema.num_updates,
-                                         "critical_path_s_median": _median(ema_wait_s)},
-        "vae_offload": None if offload is None else dict(offload.stats),
-        "s_per_step_median": _median(step_times[1:] or step_times),
-        "s_per_micro_batch_median": _median(micro_times[ga:] or micro_times),
-        "ledger": summary_line(ledger),
-        "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else 0.0,
-        "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if device.type == "cuda" else 0.0,
-        "peak_host_rss_gib": peak_rss / GiB,
-        "pinned_bytes": pinned_bytes_total(),
-        "checkpoint": str(ckpt_path) if ckpt_path else None,
-        "flags": env_flags,
-        "memory": mem.peaks(),
-        "timeline": {k: str(v) for k, v in timeline.items()},
-        "init": init_note,
-    }
-    if main_rank:
-        _atomic_write_json(out_dir / "summary.json", summary)
-        print(f"onecard: summary {out_dir / 'summary.json'}")
+    summary = skeleton.run(recipe)
+    if recipe.main_rank and recipe.trained:
         print(json.dumps({k: summary[k] for k in ("steps", "drops", "peak_gpu_gib", "peak_host_rss_gib",
                                                    "pinned_bytes", "checkpoint")}))
     return summary
-
-
-def _median(xs: list[float]) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[len(s) // 2]
-
-
-def _save(out_dir, iteration, consumed, model, ema, opt, sched, main_rank) -> Path | None:
-    state = {f"net.{canonical_name(k)}": v.detach().cpu() for k, v in model.state_dict().items()}
-    if ema is not None:
-        state.update({f"net_ema.{k}": v for k, v in ema.state_dict(model).items()})
-    blob = {
-        "model": state,
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "iteration": iteration,
-        "micro_batches_consumed": consumed,
-        "ema_num_updates": 0 if ema is None else ema.num_updates,
-    }
-    if not main_rank:
-        return None
-    return save_checkpoint(out_dir, iteration, blob)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -566,15 +588,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
+
+    def train() -> None:
         run(args)
-    except (cfgmod.ConfigError, flagmod.FlagError, datamod.DatasetError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+    try:
+        return cli(train)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

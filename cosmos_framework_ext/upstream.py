@@ -7,9 +7,9 @@ in ``OmniMoTModel.set_up_model`` and drives it through ``DTensorFastEmaModelUpda
 - the fp32 tower is never built: :class:`EmaPlaceholder` (a module with no parameters) stands in its
   place, so attribute walks (DCP's ``_get_fqns``) still resolve and nothing aliases ``net``;
   ``ema_exp_coefficient`` (gamma) is computed by upstream as usual;
-- :class:`HostEmaWorker` takes the updater's place and speaks its API over a
-  :class:`~cosmos_framework_ext.ema.CpuSubsetEMA`, created lazily from the parameters that require grad
-  (the optimizer's ``keys_to_select``) at the first update or checkpoint load. Upstream's own
+- :class:`HostEmaWorker` takes the updater's place and speaks its API over an
+  :class:`~cosmos_framework_ext.ema.EMA` with ``placement="cpu_subset"``, created lazily from the
+  parameters that require grad (the optimizer's ``keys_to_select``) at the first update or checkpoint load. Upstream's own
   ``on_before_zero_grad`` (with its beta) and ``ema_scope`` (with its reshards) run unchanged;
   ``ema_scope`` caches and swaps only the trainable local shards, on the host;
 - DCP checkpoints: ``ModelWrapper.state_dict`` appends ``net_ema.<k>`` for every ``net.<k>`` (as upstream's
@@ -19,19 +19,22 @@ in ``OmniMoTModel.set_up_model`` and drives it through ``DTensorFastEmaModelUpda
 Lever 2 (``COSMOS_VAE_CPU_OFFLOAD``). ``tokenizer_vision_gen.model.model`` (the ``WanVAE_`` module, which the
 trainer's ``model.to("cuda")`` never moves) and its 48-channel ``scale`` tensors are parked in pinned
 host memory after ``set_up_tokenizers``; ``get_data_and_condition`` (once per micro-batch) and
-``encode``/``decode`` (sampling) run inside :meth:`UpstreamVaeOffload.on_device`.
+``encode``/``decode`` (sampling) run inside :meth:`UpstreamVaeOffload.on_device` (the one way in, as for
+:class:`~cosmos_framework_ext.vae_offload.VAEOffload`, which it extends with the ``scale`` tensors).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .ema import CpuSubsetEMA, canonical_name
+from patches.core.runtime import GiB, to_local
+
+from .ema import EMA, canonical_name
 from .vae_offload import VAEOffload
 
 log = logging.getLogger("onecard.upstream")
@@ -44,18 +47,14 @@ class EmaPlaceholder(nn.Module):
         return "EMA kept in pinned host memory by onecard (COSMOS_EMA_CPU_SUBSET=1)"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class HostEmaWorker:
-    """Upstream ``DTensorFastEmaModelUpdater``'s API over a :class:`CpuSubsetEMA` of the trainable subset."""
+    """Upstream ``DTensorFastEmaModelUpdater``'s API over a CPU-subset :class:`EMA` of the trainable subset."""
 
     def __init__(self) -> None:
-        self.ema: CpuSubsetEMA | None = None
+        self.ema: EMA | None = None
         self._cached: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
-    def ensure(self, net: nn.Module) -> CpuSubsetEMA:
+    def ensure(self, net: nn.Module) -> EMA:
         """Create the host EMA from ``net``'s trainable parameters on first use.
 
         Raises:
@@ -63,23 +62,23 @@ class HostEmaWorker:
         """
         if self.ema is None:
             trainable = [n for n, p in net.named_parameters() if p.requires_grad]
-            self.ema = CpuSubsetEMA(net, trainable)
+            self.ema = EMA(net, placement="cpu_subset", trainable=trainable)
             log.info("onecard: CPU-subset EMA over %d trainable tensors, %.2f GiB pinned",
-                     len(trainable), self.ema.pinned_bytes / 2**30)
+                     len(trainable), self.ema.pinned_bytes / GiB)
         return self.ema
 
     # -- the updater's verbs, as upstream calls them
     def update_average(self, src_model: nn.Module, tgt_model: nn.Module, beta: float = 0.9999) -> None:
-        self.ensure(src_model).step(src_model, beta)
+        self.ensure(src_model).step(beta)
 
     def copy_to(self, src_model: nn.Module, tgt_model: nn.Module) -> None:
         if isinstance(src_model, EmaPlaceholder):  # ema_scope: EMA -> net, trainable shards only
-            self.ensure(tgt_model).copy_to(tgt_model)
+            self.ensure(tgt_model).copy_to()
         # net -> EMA (set_up_model): the host EMA is created from net when first needed
 
     def cache(self, parameters: Any, is_cpu: bool = False) -> None:
         del is_cpu  # always on the host
-        self._cached = [(p, _local(p).detach().to("cpu", copy=True)) for p in parameters if p.requires_grad]
+        self._cached = [(p, to_local(p).detach().to("cpu", copy=True)) for p in parameters if p.requires_grad]
 
     def restore(self, parameters: Any) -> None:
         del parameters
@@ -87,7 +86,7 @@ class HostEmaWorker:
             raise RuntimeError("restore() without cache(): ema_scope was not entered")
         with torch.no_grad():
             for p, saved in self._cached:
-                _local(p).copy_(saved)
+                to_local(p).copy_(saved)
         self._cached = None
 
     # -- checkpoint entries
@@ -97,19 +96,13 @@ class HostEmaWorker:
         Trainable keys hold the EMA, frozen keys and buffers the net's values in fp32. Sharded (DTensor)
         parameters give DTensors with the same mesh and placements, so each rank saves its own shard.
         """
-        ema = self.ensure(net)
-        ema.synchronize()
-        by_canon = dict(zip(ema.canonical, ema.shadow))
+        shadow = self.ensure(net).state_dict()["shadow"]  # EMA for trainable keys, net in fp32 for the rest
         state = {canonical_name(k): v for k, v in net.state_dict().items()}
         out: dict[str, torch.Tensor] = {}
         for k in net_keys:
             ref = state.get(k)
-            buf = by_canon.get(k)
-            if buf is not None:
-                value = buf.clone()
-            elif ref is not None:
-                value = _local(ref).detach().to("cpu", torch.float32 if ref.is_floating_point() else ref.dtype, copy=True)
-            else:
+            value = shadow.get(k)
+            if value is None:
                 continue
             if ref is not None and hasattr(ref, "device_mesh") and ref.device_mesh.size() > 1:
                 from torch.distributed.tensor import DTensor
@@ -119,31 +112,29 @@ class HostEmaWorker:
         return out
 
 
-class UpstreamVaeOffload:
-    """Parks upstream's Wan2.2 VAE (``tokenizer_vision_gen.model``) and its ``scale`` tensors on the host."""
+class UpstreamVaeOffload(VAEOffload):
+    """Parks upstream's Wan2.2 VAE (``tokenizer_vision_gen.model``) and its ``scale`` tensors on the host.
+
+    A :class:`VAEOffload` of ``wan.model`` whose moves also carry ``wan.scale`` (a tuple the module does
+    not register); :meth:`on_device` is the one way in, with the one depth counter of the base class.
+    """
 
     def __init__(self, wan: Any, device: torch.device):
         self.wan = wan
-        self.offload = VAEOffload(wan.model, device)
-        self.device = device
         self._host_scale = tuple(t.detach().to("cpu").pin_memory() if torch.cuda.is_available() else t.detach().cpu()
                                  for t in wan.scale)
-        self.wan.scale = self._host_scale
-        self._depth = 0
+        wan.scale = self._host_scale
+        super().__init__(wan.model, device)
 
-    @contextlib.contextmanager
-    def on_device(self) -> Iterator[None]:
-        """The VAE and its scale on the GPU inside the block (nested blocks move nothing)."""
-        self._depth += 1
-        try:
-            if self._depth == 1:
-                self.wan.scale = tuple(t.to(self.device, non_blocking=True) for t in self._host_scale)
-            with self.offload.on_device():
-                yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self.wan.scale = self._host_scale
+    def _unpark(self) -> None:
+        moving = self.parked
+        super()._unpark()
+        if moving:
+            self.wan.scale = tuple(t.to(self.device, non_blocking=True) for t in self._host_scale)
+
+    def _park(self) -> None:
+        super()._park()
+        self.wan.scale = self._host_scale
 
 
 # ------------------------------------------------------------------------- replacement factories
@@ -188,9 +179,11 @@ def patched_wrapper_load_state_dict(original: Callable[..., Any]) -> Callable[..
         worker = getattr(self.model, "net_ema_worker", None)
         if not isinstance(worker, HostEmaWorker):
             return original(self, state_dict)
-        ema_part = {k[len("net_ema."):]: _local(v) for k, v in state_dict.items() if k.startswith("net_ema.")}
+        ema_part = {k[len("net_ema."):]: to_local(v) for k, v in state_dict.items() if k.startswith("net_ema.")}
         rest = {k: v for k, v in state_dict.items() if not k.startswith("net_ema.")}
-        loaded = worker.ensure(self.model.net).load_state_dict(ema_part)
+        ema = worker.ensure(self.model.net)
+        # DCP carries no update counter (upstream counts iterations itself): keep the EMA's own
+        loaded = ema.load_state_dict({"num_updates": ema.num_updates, "shadow": ema_part})
         log.info("onecard: loaded %d EMA tensors into host buffers (%d net_ema entries)", loaded, len(ema_part))
         return original(self, rest)
 
@@ -207,7 +200,7 @@ def patched_set_up_tokenizers(original: Callable[..., Any]) -> Callable[..., Any
             if device.type == "cpu" and torch.cuda.is_available():
                 device = torch.device("cuda", torch.cuda.current_device())
             self._onecard_vae = UpstreamVaeOffload(wan, device)
-            log.info("onecard: Wan2.2 VAE parked on the host (%.2f GiB pinned)", self._onecard_vae.offload.pinned_bytes / 2**30)
+            log.info("onecard: Wan2.2 VAE parked on the host (%.2f GiB pinned)", self._onecard_vae.pinned_bytes / GiB)
         return result
 
     return set_up_tokenizers

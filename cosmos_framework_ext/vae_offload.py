@@ -8,10 +8,12 @@ one persistent host copy of every parked parameter and buffer, in a single exact
 - **unparked**: each parked tensor is a fresh device tensor filled from its host copy by a
   ``non_blocking`` H2D copy out of pinned memory.
 
-``park()`` copies nothing back (the weights are frozen: the host copy is still exact), it only drops the
-device storage, so a round trip costs one H2D transfer. Measured on an H200 for the full-size VAE:
-``module.to("cpu")``/``.to("cuda")`` through pageable memory 0.88 s per round trip; park + unpark 33 ms,
-latents ``torch.equal`` after.
+:meth:`VAEOffload.on_device` is the one way to bring the module to the device: a re-entrant context
+manager with one depth counter. Entering at depth 0 unparks, leaving back to depth 0 parks (also when the
+body raised); nested blocks move nothing. Parking copies nothing back (the weights are frozen: the host
+copy is still exact), it only drops the device storage, so a round trip costs one H2D transfer. Measured
+on an H200 for the full-size VAE: ``module.to("cpu")``/``.to("cuda")`` through pageable memory 0.88 s per
+round trip; park + unpark 33 ms, latents ``torch.equal`` after.
 
 The trainer unparks once per micro-batch, around all of that micro-batch's encodes::
 
@@ -31,9 +33,9 @@ is re-pointed (exactly what ``nn.Module.to`` does by default), so anything holdi
 ``module._buffers[name]`` (again what ``nn.Module.to`` does); every module registering the same buffer
 tensor is updated together. Shapes, strides, dtypes and the set of buffers are preserved exactly.
 
-Not thread-safe: park/unpark one module from one thread. Device tensors are allocated and filled on
-the current CUDA stream; ``unpark`` returns only after the copies completed, so they are valid on every
-stream.
+Not thread-safe: use one module's ``on_device()`` from one thread. Device tensors are allocated and
+filled on the current CUDA stream; entering ``on_device()`` returns only after the copies completed, so
+they are valid on every stream.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 import torch
 from torch import nn
@@ -111,8 +112,8 @@ class VAEOffload:
         module: the frozen module (e.g. ``diffusers.AutoencoderKLWan``); every parameter must have
             ``requires_grad=False``. Its tensors may be anywhere except the meta device.
         device: where the module runs (``"cuda"``, ``"cuda:1"``, ``torch.device``). ``"cpu"`` is allowed
-            for CPU-only machines: unpark then makes fresh CPU copies and park points back at the arena,
-            so the storage really is swapped and the mechanism is exercised.
+            for CPU-only machines: ``on_device()`` then makes fresh CPU copies and leaving it points back
+            at the arena, so the storage really is swapped and the mechanism is exercised.
         keep_encoder_resident: keep the encode path permanently on ``device`` and park only the rest
             (for ``AutoencoderKLWan``: ``encoder`` and ``quant_conv`` stay, ``decoder`` and
             ``post_quant_conv`` are parked).
@@ -157,7 +158,7 @@ class VAEOffload:
             shown = ", ".join(trainable[:3]) + (", ..." if len(trainable) > 3 else "")
             raise ValueError(
                 f"VAEOffload needs a frozen module, but {len(trainable)} parameter(s) require grad ({shown}): "
-                "park() drops the device copy without copying it back, so updates would be lost; call "
+                "parking drops the device copy without copying it back, so updates would be lost; call "
                 "module.requires_grad_(False) first (build_vae does)"
             )
         meta = [n for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
@@ -219,13 +220,14 @@ class VAEOffload:
                 host = flat.view(src.shape)
             host.copy_(src)
             self._slots.append(_Slot(host=host, param=p, buffer_refs=r))
-        del sources  # drop our references to the original storage; park() below drops the module's
+        del sources  # drop our references to the original storage; _point_at_host() below drops the module's
 
         self._park_count = 0
         self._unpark_count = 0
         self._park_s = 0.0
         self._unpark_s = 0.0
-        self._context_stack: list[bool] = []
+        self._depth = 0
+        self._removed = False
         self._parked = False
         for sub in resident:
             sub.to(dev)
@@ -240,8 +242,13 @@ class VAEOffload:
         return self._parked
 
     @property
+    def depth(self) -> int:
+        """How many :meth:`on_device` blocks are open (0: parked)."""
+        return self._depth
+
+    @property
     def encode_path_resident(self) -> bool:
-        """True when encoding needs no unpark (``keep_encoder_resident``)."""
+        """True when encoding needs no move (``keep_encoder_resident``)."""
         return self.keep_encoder_resident
 
     @property
@@ -303,13 +310,13 @@ class VAEOffload:
     def _device_copy(self, host: torch.Tensor) -> torch.Tensor:
         """A new tensor on :attr:`device` with ``host``'s shape, stride and dtype, filled from ``host``.
 
-        The copy is issued ``non_blocking`` on the current stream; :meth:`unpark` waits for it.
+        The copy is issued ``non_blocking`` on the current stream; :meth:`_unpark` waits for it.
         """
         out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
         out.copy_(host, non_blocking=True)
         return out
 
-    def unpark(self) -> None:
+    def _unpark(self) -> None:
         """Put every parked tensor on :attr:`device` (one H2D copy each from the pinned host copy).
 
         Idempotent: a no-op while unparked. Returns after the copies completed (CUDA: the current stream
@@ -328,14 +335,14 @@ class VAEOffload:
         self._unpark_s += time.perf_counter() - t0
         self._unpark_count += 1
 
-    def park(self) -> None:
+    def _park(self) -> None:
         """Point every parked tensor back at its host copy, dropping the device storage.
 
         Nothing is copied back: the module is frozen, so the host copies are still exact. The freed
         device blocks return to PyTorch's caching allocator (no ``empty_cache``), where the training
-        step can reuse them. Idempotent: a no-op while parked.
+        step can reuse them. Idempotent: a no-op while parked, and after :meth:`remove`.
         """
-        if self._parked:
+        if self._parked or self._removed:
             return
         _sync(self.device)
         t0 = time.perf_counter()
@@ -346,24 +353,29 @@ class VAEOffload:
         self._park_count += 1
 
     @contextlib.contextmanager
-    def on_device(self) -> Iterator["VAEOffload"]:
-        """Unpark on enter, park on exit (also when the body raises).
+    def on_device(self, *, encode_only: bool = False) -> Iterator["VAEOffload"]:
+        """The module on :attr:`device` inside the block: the one way to bring it there.
 
-        Nesting does not move twice: an inner ``on_device()`` (or one entered while already unparked
-        by an explicit :meth:`unpark`) neither unparks nor parks; only the context that unparked parks.
+        Re-entrant, with one depth counter: entering at depth 0 unparks, leaving back to depth 0 parks
+        (also when the body raises); nested blocks move nothing. If unparking fails (CUDA OOM) the module
+        stays parked and the depth unchanged.
+
+        Args:
+            encode_only: the block only encodes; with ``keep_encoder_resident`` the encode path is
+                already on the device, so nothing moves and the depth is not touched.
         """
-        moved = self._parked
-        self.unpark()
-        self._context_stack.append(moved)
+        if encode_only and self.encode_path_resident:
+            yield self
+            return
+        if self._depth == 0:
+            self._unpark()
+        self._depth += 1
         try:
             yield self
         finally:
-            if self._context_stack.pop():
-                self.park()
-
-    def for_encode(self) -> contextlib.AbstractContextManager[Any]:
-        """Context for encoding: :meth:`on_device` unless the encode path is resident (then a no-op)."""
-        return contextlib.nullcontext(self) if self.encode_path_resident else self.on_device()
+            self._depth -= 1
+            if self._depth == 0:
+                self._park()
 
     def remove(self) -> None:
         """Detach: leave the whole module resident on :attr:`device`, free the arena, clear the attribute.
@@ -371,9 +383,10 @@ class VAEOffload:
         Raises:
             RuntimeError: called inside :meth:`on_device`.
         """
-        if self._context_stack:
+        if self._depth:
             raise RuntimeError("VAEOffload.remove() called inside on_device(): leave the context first")
-        self.unpark()
+        self._unpark()
+        self._removed = True
         self._slots = []
         self._arena_range = (0, 0)
         self.arena.release()
@@ -435,9 +448,9 @@ def encode_latents(vae: nn.Module, video: torch.Tensor) -> torch.Tensor:
 
     ``mu`` is the posterior mean (no sampling); ``latents_mean``/``latents_std`` come from
     ``vae.config`` (48 channels for Wan2.2). Works with or without a :class:`VAEOffload` attached: with
-    one, the encode runs inside :meth:`VAEOffload.for_encode` (so inside the trainer's per-micro-batch
-    ``on_device()`` no second move happens; standalone it moves once for this call). Runs under
-    ``torch.no_grad()``.
+    one, the encode runs inside ``on_device(encode_only=True)`` (so inside the trainer's per-micro-batch
+    ``on_device()`` no second move happens; standalone it moves once for this call, or not at all when
+    the encoder is resident). Runs under ``torch.no_grad()``.
 
     Args:
         vae: ``diffusers.AutoencoderKLWan`` (Wan2.2 configuration), frozen.
@@ -465,7 +478,7 @@ def encode_latents(vae: nn.Module, video: torch.Tensor) -> torch.Tensor:
     if h % sf or w % sf:
         raise ValueError(f"video H x W = {h} x {w} must be multiples of {sf} (Wan2.2 spatial compression)")
     off = get_offload(vae)
-    ctx = off.for_encode() if off is not None else contextlib.nullcontext()
+    ctx = off.on_device(encode_only=True) if off is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         ref = next(vae.parameters())  # first parameter of the encoder: on device while encoding
         x = video.to(device=ref.device, dtype=ref.dtype)
@@ -548,8 +561,8 @@ def check_equivalence(
 
     Steps (all under :func:`poisoned_uninitialized_memory`): snapshot the state_dict and buffers;
     encode with ``vae`` resident; attach ``offload_factory(vae, device, keep_encoder_resident=...)``;
-    run ``cycles`` unpark/park cycles, comparing the state while unparked and while parked; encode
-    inside ``on_device()``; compare. The offload is removed at the end and the snapshot loaded back
+    run ``cycles`` ``on_device()`` round trips, comparing the state inside (unparked) and after (parked);
+    encode inside ``on_device()``; compare. The offload is removed at the end and the snapshot loaded back
     (``vae`` resident with its original weights again, even after a buggy offload), also when a step
     raises.
 
@@ -558,7 +571,7 @@ def check_equivalence(
         video: ``[B, 3, T, H, W]`` clip (see :func:`encode_latents`).
         device: the device ``vae`` lives on.
         keep_encoder_resident: passed to the offload.
-        cycles: unpark/park cycles (>= 1) before the offloaded encode.
+        cycles: ``on_device()`` round trips (>= 1) before the offloaded encode.
         offload_factory: the offload class (tests pass planted-bug subclasses).
 
     Raises:
@@ -578,9 +591,8 @@ def check_equivalence(
         try:
             unparked_ok = parked_ok = True
             for _ in range(cycles):
-                off.unpark()
-                unparked_ok &= _same(state0, vae.state_dict())
-                off.park()
+                with off.on_device():
+                    unparked_ok &= _same(state0, vae.state_dict())
                 parked_ok &= _same(state0, vae.state_dict())
             with off.on_device():
                 out = encode_latents(vae, video)
@@ -602,7 +614,7 @@ def check_equivalence(
 def measure_round_trip(offload: VAEOffload, n: int = 10, *, warmup: int = 1) -> dict[str, float | int]:
     """Time ``n`` unpark+park round trips (CUDA-synchronized) after ``warmup`` untimed ones.
 
-    The offload is left in the state it was found in.
+    Call it outside any ``on_device()`` block; the offload is left parked.
 
     Returns:
         ``n``; ``median_s``, ``min_s``, ``max_s`` of a round trip (s); ``median_unpark_s`` and
@@ -614,26 +626,22 @@ def measure_round_trip(offload: VAEOffload, n: int = 10, *, warmup: int = 1) -> 
     """
     if n < 1 or warmup < 0:
         raise ValueError(f"need n >= 1 and warmup >= 0, got n={n}, warmup={warmup}")
-    if offload._context_stack:
+    if offload.depth:
         raise RuntimeError("measure_round_trip called inside on_device(): leave the context first")
-    was_parked = offload.parked
-    offload.park()
     for _ in range(warmup):
-        offload.unpark()
-        offload.park()
+        offload._unpark()
+        offload._park()
     ups: list[float] = []
     parks: list[float] = []
     for _ in range(n):
         _sync(offload.device)
         t0 = time.perf_counter()
-        offload.unpark()  # synchronizes before returning
+        offload._unpark()  # synchronizes before returning
         t1 = time.perf_counter()
-        offload.park()
+        offload._park()
         t2 = time.perf_counter()
         ups.append(t1 - t0)
         parks.append(t2 - t1)
-    if not was_parked:
-        offload.unpark()
     trips = [u + p for u, p in zip(ups, parks)]
     med_up = statistics.median(ups)
     nbytes = offload.device_bytes_when_unparked

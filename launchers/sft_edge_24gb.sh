@@ -8,8 +8,9 @@
 #          EMAVAL=1  toml/vision_sft_edge_24gb_emaval.toml  (cap 6144, grad_accum_iter 2, EMA on)
 # DRYRUN=1 prints the memory ledger (meta device, nothing allocated) against BUDGET_GIB (default 22.06)
 # and exits: 0 fits, 1 does not fit.
-# Reads, like upstream's launchers: NPROC_PER_NODE (default 1), MASTER_PORT (50012), NNODES (1),
-# NODE_RANK (0), MASTER_ADDR (127.0.0.1), DATASET_PATH, BASE_CHECKPOINT_PATH, WAN_VAE_PATH, OUTPUT_ROOT.
+# Reads, like upstream's launchers: NPROC_PER_NODE (default 1), MASTER_PORT (unset: a free port on a
+# one-node run, 50012 with NNODES > 1), NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), DATASET_PATH,
+# BASE_CHECKPOINT_PATH, WAN_VAE_PATH, OUTPUT_ROOT.
 # Without COSMOS_FRAMEWORK_ROOT the embedded reference trainer runs (tiny preset on a machine without a
 # GPU, the full edge preset on a GPU). Trailing arguments go to the trainer (e.g. --max-iter 3).
 # With COSMOS_FRAMEWORK_ROOT (a cosmos-framework checkout at ed8287f or 5eee9ed) upstream's trainer runs,
@@ -55,6 +56,16 @@ if [[ "$dryrun" == 1 ]]; then
     --world-size "$(( ${NPROC_PER_NODE:-1} * ${NNODES:-1} ))"
 fi
 
+if [[ -z "${MASTER_PORT:-}" ]]; then
+  # One node: any free port, so that runs side by side (parallel tests) do not collide. Several nodes must
+  # agree on the port: keep upstream's fixed default there.
+  if [[ "${NNODES:-1}" == 1 ]]; then
+    MASTER_PORT="$(cd "$here" && "$PYTHON" -c 'from patches.core.runtime import free_port; print(free_port())')"
+  else
+    MASTER_PORT=50012
+  fi
+fi
+
 export DATASET_PATH="${DATASET_PATH:-}" BASE_CHECKPOINT_PATH="${BASE_CHECKPOINT_PATH:-}" WAN_VAE_PATH="${WAN_VAE_PATH:-}"
 export OUTPUT_ROOT="${OUTPUT_ROOT:-outputs/train}"
 export PYTHONUNBUFFERED=1
@@ -78,7 +89,7 @@ if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
   cd "$COSMOS_FRAMEWORK_ROOT"
   exec "$PYTHON" -m torch.distributed.run \
     --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
-    --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-50012}" \
+    --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="$MASTER_PORT" \
     -m patches.run cosmos_framework.scripts.train --sft-toml="$upstream_toml" \
     ${trainer_flags[@]+"${trainer_flags[@]}"} ${overrides[@]+-- "${overrides[@]}"}
 fi
@@ -89,5 +100,5 @@ train=(-m cosmos_framework_ext.train --sft-toml="$TOML_FILE" "$@")
 "$PYTHON" "${train[@]}" --validate-only >/dev/null || exit $?
 exec "$PYTHON" -m torch.distributed.run \
   --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
-  --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="${MASTER_PORT:-50012}" \
+  --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="$MASTER_PORT" \
   "${train[@]}"

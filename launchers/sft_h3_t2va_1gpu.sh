@@ -8,7 +8,11 @@
 # sample per prompt, 4 optimizer steps per rollout (global batch 8), micro-batch 1, LoRA rank 64 / alpha
 # 128, the 8-GPU schedule replayed by grad accumulation (FROM_GPUS, default 8), --fsdp-cpu-offload and
 # --fsdp-master-dtype bf16 on a GPU.
-# Reads: FROM_GPUS (8), OUTPUT_ROOT (outputs), DATASET_PATH (default: the sample dataset).
+# Reads: FROM_GPUS (8), OUTPUT_ROOT (outputs), DATASET_PATH (default: the sample dataset), MASTER_PORT (the
+# one-rank process group's port; default: a free one, or pass --master-port).
+# Writes $OUTPUT_ROOT/h3_t2va_sft/: summary.json, checkpoints/iter_<rollout, 9 digits>.pt after every rollout and
+# checkpoints/latest_checkpoint.txt naming the newest. Run it again with a larger --num-rollout to resume; with
+# the same --num-rollout it says there is nothing to do.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 if [[ -n "${MILES_DIFFUSION_ROOT:-}" ]]; then

@@ -1,8 +1,8 @@
 """``python -m miles_ext.export_lora <checkpoint> <out_dir> [--comfyui]``: a full PEFT adapter directory.
 
-Reads an H3 LoRA checkpoint written by the embedded trainer (``iter_*.pt``: ``{"lora": {name: tensor},
-"lora_meta": {...}}``; names as PEFT gives them inside the diffusers model,
-``<module>.lora_A.default.weight``) and writes:
+Reads an H3 LoRA checkpoint written by the embedded trainer (``<run>/checkpoints/iter_<rollout, 9 digits>.pt``,
+the newest one named in ``checkpoints/latest_checkpoint.txt``: ``{"lora": {name: tensor}, "lora_meta": {...}}``;
+names as PEFT gives them inside the diffusers model, ``<module>.lora_A.default.weight``) and writes:
 
 - ``adapter_config.json`` -- PEFT's own ``LoraConfig`` (r, lora_alpha, target_modules, ...) with the base
   model class in PEFT's ``auto_mapping``;
@@ -13,7 +13,9 @@ Reads an H3 LoRA checkpoint written by the embedded trainer (``iter_*.pt``: ``{"
   ``.lora_up.weight`` / ``.alpha`` (the kohya-style naming ComfyUI loads).
 
 The directory loads with ``peft.PeftModel.from_pretrained(base, out_dir)`` and with diffusers'
-``model.load_lora_adapter(out_dir)``; the loaded model's forward equals the trained model's (tested). Unlike
+``model.load_lora_adapter(out_dir, weight_name="pytorch_lora_weights.safetensors")`` (the name is needed: the
+directory holds two safetensors files); the loaded model's forward equals the trained model's (tested, and
+``tests/test_h3_export_lora.py::README_SNIPPET`` is the README's example). Unlike
 upstream's exporter (safetensors + a sidecar with only ``r`` and ``lora_alpha``), nothing is left implicit.
 
 Bad input (no checkpoint, no LoRA tensors in it, an existing non-empty ``out_dir``): one ``error:`` line,
@@ -33,11 +35,13 @@ from typing import Any
 
 import torch
 
+from patches.core.errors import UserError, cli
+
 LORA_MARKERS = (".lora_A.", ".lora_B.")
 
 
-class ExportError(ValueError):
-    """The checkpoint cannot be exported (missing, no LoRA tensors, bad metadata)."""
+class ExportError(UserError):
+    """The checkpoint cannot be exported (missing, no LoRA tensors, bad metadata), or ``out_dir`` is taken."""
 
 
 def load_lora_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -48,7 +52,8 @@ def load_lora_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dic
     """
     p = Path(path)
     if not p.is_file():
-        raise ExportError(f"checkpoint {p} does not exist: pass an iter_*.pt written by launchers/sft_h3_t2va_1gpu.sh")
+        raise ExportError(f"checkpoint {p} does not exist: pass a checkpoints/iter_<rollout>.pt written by "
+                          "launchers/sft_h3_t2va_1gpu.sh")
     try:
         blob = torch.load(p, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling failure: not one of ours
@@ -146,15 +151,15 @@ def export(checkpoint: str | Path, out_dir: str | Path, comfyui: bool = False) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m miles_ext.export_lora", description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint", help="iter_*.pt of an H3 LoRA run")
+    ap.add_argument("checkpoint", help="an H3 LoRA run's checkpoints/iter_<rollout, 9 digits>.pt")
     ap.add_argument("out_dir", help="new directory for the PEFT adapter")
     ap.add_argument("--comfyui", action="store_true", help="also write lora_comfyui.safetensors (kohya-style keys)")
     args = ap.parse_args(argv)
-    try:
-        report = export(args.checkpoint, args.out_dir, args.comfyui)
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli(lambda: _export_and_report(args.checkpoint, args.out_dir, args.comfyui))
+
+
+def _export_and_report(checkpoint: str, out_dir: str, comfyui: bool) -> int:
+    report = export(checkpoint, out_dir, comfyui)
     print(f"exported {report['tensors']} LoRA tensors (rank {report['rank']}, alpha {report['alpha']}) to "
           f"{report['out_dir']}: {', '.join(report['files'])}")
     print("shapes: " + ", ".join("x".join(map(str, s)) for s in report["shapes"]))

@@ -28,7 +28,8 @@ Own adapter units need one more thing: each block gathers its adapter unit when 
 ``_keep_in_fp32_modules`` (``proj_in``, ``time_embedder``, ``proj_out``, ...) are *stored* fp32 but gathered in
 the forward at ``param_dtype``. Hence for a frozen base an fp32 and a bf16 master gather bit-identical bf16
 weights: an fp32 master stores w and gathers bf16(w); a bf16 master stores bf16(w) and gathers it unchanged;
-the keep-fp32 modules are fp32 under both. "fp32 buys nothing" (``tests/equivalence/test_h3_master_dtype.py``).
+the keep-fp32 modules are fp32 under both. "fp32 buys nothing"
+(``tests/equivalence/test_h3_fsdp_policy_master_dtype.py``).
 With CPU offload, FSDP2 adds each micro-batch's reduced gradient into the host gradient (``+=``), so gradient
 accumulation works unchanged (checked bitwise in ``test_h3_fsdp_policy.py``). ``cast_forward_inputs`` defaults to ``False`` as in upstream's newest code: the
 H3 forward casts its inputs itself, and FSDP's cast would turn the fp64 rotary ``position_ids`` into bf16.
@@ -48,7 +49,7 @@ __all__ = [
     "set_master_dtype",
     "apply_fsdp2",
     "fsdp_units",
-    "clip_grad_norm",
+    "clip_offloaded_grad_norm",
 ]
 
 MASTER_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -230,7 +231,7 @@ def fsdp_units(model: nn.Module) -> list[tuple[list[str], dict[str, torch.dtype]
 
 
 @torch.no_grad()
-def clip_grad_norm(
+def clip_offloaded_grad_norm(
     parameters: Iterable[torch.Tensor], max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for FSDP2 gradients that may live on the host (CPU offload).

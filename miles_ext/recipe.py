@@ -37,6 +37,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from patches.core.errors import UserError, cli
+
 __all__ = [
     "stable_hash",
     "MicroBatchSlot",
@@ -211,7 +213,7 @@ def pair_schedule(
 
 
 # ------------------------------------------------------------------------------------------ translate
-class TranslationError(ValueError):
+class TranslationError(UserError):
     """A translation that would break an invariant (the CLI prints it as one ``error:`` line, exit 2)."""
 
 
@@ -436,7 +438,7 @@ def translate(args: Sequence[str], from_gpus: int, to_gpus: int = 1) -> Translat
     return Translation(out, changed, invariants)
 
 
-class _UsageError(Exception):
+class _UsageError(UserError):
     """Bad CLI usage (reported like a refusal: one ``error:`` line, exit 2)."""
 
 
@@ -445,7 +447,7 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _translate_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m miles_ext.recipe", allow_abbrev=False, description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -464,18 +466,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     recipe argument (``--`` may separate them explicitly).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    try:
-        if "--" in argv:
-            cut = argv.index("--")
-            ns, rest = parser.parse_known_args(argv[:cut])
-            rest += argv[cut + 1 :]
-        else:
-            ns, rest = parser.parse_known_args(argv)
-        result = translate(rest, ns.from_gpus, ns.to_gpus)
-    except (_UsageError, TranslationError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli(lambda: _translate_command(argv))
+
+
+def _translate_command(argv: list[str]) -> int:
+    """``translate``: parse, translate, write ``--out``, print; :class:`UserError` on a refusal or bad usage."""
+    parser = _translate_parser()
+    if "--" in argv:
+        cut = argv.index("--")
+        ns, rest = parser.parse_known_args(argv[:cut])
+        rest += argv[cut + 1 :]
+    else:
+        ns, rest = parser.parse_known_args(argv)
+    result = translate(rest, ns.from_gpus, ns.to_gpus)
     if ns.out is not None:
         tmp = ns.out.with_name(ns.out.name + ".tmp")
         try:
@@ -484,8 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as e:
             if tmp.parent.is_dir():
                 tmp.unlink(missing_ok=True)
-            print(f"error: cannot write --out {ns.out}: {e.strerror}; pick a writable path", file=sys.stderr)
-            return 2
+            raise UserError(f"cannot write --out {ns.out}: {e.strerror}; pick a writable path") from None
     sys.stdout.write(result.render())
     return 0
 

@@ -192,12 +192,12 @@ def train_step(
     Each micro-batch draws with its slot's seed identity, runs its pairs and backprops
     ``normaliser(loss_sum, len(slot.pairs), num_local_pairs)`` with ``num_local_pairs = sum(len(slot.pairs))``;
     under FSDP2 the gradient reduce then averages over ranks. ``after_backward`` runs after the last backward,
-    before clipping (to snapshot gradients). Clipping uses :func:`miles_ext.fsdp_policy.clip_grad_norm`.
+    before clipping (to snapshot gradients). Clipping uses :func:`miles_ext.fsdp_policy.clip_offloaded_grad_norm`.
     ``device``: where the pairs are moved before drawing and the forward (default: where they are).
 
     Returns the sum of the micro-batches' ``loss_sum`` (a float, for logging).
     """
-    from miles_ext.fsdp_policy import clip_grad_norm
+    from miles_ext.fsdp_policy import clip_offloaded_grad_norm
 
     num_local_pairs = sum(len(s.pairs) for s in slots)
     total = 0.0
@@ -217,7 +217,7 @@ def train_step(
         after_backward()
     if max_grad_norm is not None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm(params, max_grad_norm)
+        clip_offloaded_grad_norm(params, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total

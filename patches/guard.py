@@ -16,7 +16,7 @@ import importlib
 import inspect
 from typing import Any, Callable
 
-from .core.flags import Flag
+from .core.flags import ChoiceFlag, Flag
 
 MARK = "_onecard_patch"
 """Attribute set on every installed replacement: the patch's name."""
@@ -46,8 +46,8 @@ class Patch:
 
     name: str
     """Short name, e.g. ``ema.set_up_model``."""
-    flag: Flag
-    """The environment flag that turns it on."""
+    flag: Flag | ChoiceFlag
+    """The environment flag that turns it on (a choice flag: any accepted value)."""
     target: str
     """``"module.path:Owner.attr"`` (or ``"module.path:function"``)."""
     params: tuple[tuple[str, ...], ...]
@@ -60,25 +60,36 @@ class Patch:
         """The implementation's factory, imported now."""
         return resolve(self.impl)
 
-    def resolve(self) -> tuple[Any, str, Callable[..., Any]]:
-        """(owner object, attribute name, current value); raises :class:`UpstreamMismatch` if absent."""
+    def resolve(self, supported: str = "") -> tuple[Any, str, Callable[..., Any]]:
+        """(owner object, attribute name, current value); raises :class:`UpstreamMismatch` if absent.
+
+        A method target must be defined by the class the table names itself (in its ``__dict__``), not
+        merely inherited: an upstream that stops defining it would otherwise pass the check and the patch
+        would wrap a base class's stub (torch's ``Stateful.load_state_dict``, say).
+        """
         module_name, _, path = self.target.partition(":")
+        where = f" ({supported} supported)" if supported else ""
         try:
             owner: Any = importlib.import_module(module_name)
         except ImportError as e:
-            raise UpstreamMismatch(f"{self.name}: cannot import {module_name} ({e})") from None
+            raise UpstreamMismatch(f"{self.name}: cannot import {module_name} ({e}){where}") from None
         *parents, attr = path.split(".")
         for part in parents:
             if not hasattr(owner, part):
-                raise UpstreamMismatch(f"{self.name}: {module_name} has no {path}")
+                raise UpstreamMismatch(f"{self.name}: {module_name} has no {path}{where}")
             owner = getattr(owner, part)
         if not hasattr(owner, attr):
-            raise UpstreamMismatch(f"{self.name}: {self.target} does not exist")
+            raise UpstreamMismatch(f"{self.name}: {self.target} does not exist{where}")
+        if isinstance(owner, type) and attr not in vars(owner):
+            base = next((c.__qualname__ for c in owner.__mro__ if attr in vars(c)), "a base class")
+            raise UpstreamMismatch(
+                f"{self.name}: {self.target} is no longer defined by {owner.__qualname__} itself (only inherited "
+                f"from {base}): this upstream is not one onecard supports{where}")
         return owner, attr, getattr(owner, attr)
 
     def check(self, supported: str) -> tuple[Any, str, Callable[..., Any]]:
         """Resolve and compare the signature; raises :class:`UpstreamMismatch` naming the target."""
-        owner, attr, current = self.resolve()
+        owner, attr, current = self.resolve(supported)
         original = getattr(current, "__wrapped__", current) if getattr(current, MARK, None) else current
         try:
             found = tuple(inspect.signature(original).parameters)
@@ -133,17 +144,24 @@ class PatchSet:
         return [p.target for p, *_ in checked]
 
     def revert(self) -> None:
-        """Put back every original this set installed, newest first."""
+        """Put back every original this set installed, newest first.
+
+        A replacement that also changed something beside its target (a registry entry, say) carries an
+        ``onecard_undo`` callable; it is called after the original is back.
+        """
         while self._applied:
             _, owner, attr, original = self._applied.pop()
+            undo = getattr(getattr(owner, attr), "onecard_undo", None)
             setattr(owner, attr, original)
+            if callable(undo):
+                undo()
 
     def status(self) -> list[tuple[str, str, bool]]:
         """``(name, target, patched now)`` for every patch in the table."""
         out = []
         for p in self.patches:
             try:
-                _, _, current = p.resolve()
+                _, _, current = p.resolve(self.supported)
                 out.append((p.name, p.target, getattr(current, MARK, None) == p.name))
             except UpstreamMismatch:
                 out.append((p.name, p.target, False))

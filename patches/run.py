@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     except (flags.FlagError, UpstreamMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    on = " ".join(f"{k}={int(v)}" for k, v in flags.read_all().items())
+    on = " ".join(f"{k}={v if isinstance(v, str) else int(v)}" for k, v in flags.read_all().items())
     print(f"onecard[rank {os.environ.get('RANK', '0')}]: {on}; patched: {', '.join(patched) or 'nothing'}",
           file=sys.stderr, flush=True)
     module, *rest = argv

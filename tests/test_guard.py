@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from patches.core.flags import EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
+from patches.core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
 from patches.guard import MARK, Patch, PatchSet, UpstreamMismatch
 
 
@@ -97,5 +97,65 @@ def test_cosmos_table_names_real_targets():
     from patches.cosmos_table import PATCHES, SUPPORTED
 
     assert "ed8287f" in SUPPORTED and "5eee9ed" in SUPPORTED
-    assert {p.flag.name for p in PATCHES} == {EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name}
+    assert {p.flag.name for p in PATCHES} == {EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, ATTN_BACKEND.name}
     assert all(p.target.startswith("cosmos_framework.") for p in PATCHES)
+
+
+def test_inherited_only_target_is_refused_by_name(fake_upstream):
+    """Upstream stops defining the method on the class; a base's stub with the same signature must not pass."""
+
+    class Base:
+        def set_up(self):
+            return "stub"
+
+    class Model(Base):
+        def encode(self, state):
+            return state
+
+    fake_upstream.Model = Model
+    with pytest.raises(UpstreamMismatch, match="no longer defined by .*Model itself.*fake@abc123"):
+        _table().apply({EMA_CPU_SUBSET.name: True})
+    assert Base.set_up(Model()) == "stub" and "set_up" not in vars(Model)  # nothing was patched
+
+
+def test_missing_target_error_names_the_supported_commits(fake_upstream):
+    del fake_upstream.Model.encode
+    with pytest.raises(UpstreamMismatch, match="does not exist.*fake@abc123"):
+        _table().apply({VAE_CPU_OFFLOAD.name: True})
+
+
+def _fake_checkout(root, with_methods: bool):
+    gen = root / "cosmos_framework" / "model" / "generator"
+    gen.mkdir(parents=True)
+    ckpt = root / "cosmos_framework" / "checkpoint"
+    ckpt.mkdir(parents=True)
+    for d in (root / "cosmos_framework", root / "cosmos_framework" / "model", gen, ckpt):
+        (d / "__init__.py").write_text("")
+    methods = ("    def set_up_model(self): ...\n    def set_up_tokenizers(self): ...\n"
+               "    def get_data_and_condition(self, data_batch, iteration, vision_condition_indexes): ...\n"
+               "    def encode(self, state): ...\n    def decode(self, latent): ...\n") if with_methods else "    pass\n"
+    (gen / "omni_mot_model.py").write_text("class OmniMoTModel:\n" + methods)
+    attn = root / "cosmos_framework" / "model" / "attention"
+    attn.mkdir()
+    (attn / "__init__.py").write_text("")
+    (attn / "frontend.py").write_text(
+        "BACKEND_MAP = {}\n"
+        "def choose_backend(query_shape, key_shape, value_shape, dtype, device, requires_grad, is_causal,\n"
+        "                   causal_type, is_varlen, deterministic, backend, raise_error): ...\n")
+    (ckpt / "dcp.py").write_text("class ModelWrapper:\n    def state_dict(self): ...\n"
+                                 "    def load_state_dict(self, state_dict): ...\n")
+
+
+@pytest.mark.parametrize("with_methods, code", [(True, 0), (False, 2)])
+def test_status_exit_code_follows_the_targets(tmp_path, with_methods, code):
+    import os
+    import subprocess
+
+    _fake_checkout(tmp_path, with_methods)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COSMOS_")}
+    env.update(COSMOS_FRAMEWORK_ROOT=str(tmp_path), COSMOS_EMA_CPU_SUBSET="1")
+    r = subprocess.run([sys.executable, "-m", "patches", "status"], env=env, capture_output=True, text=True)
+    assert r.returncode == code, r.stdout + r.stderr
+    assert ("MISMATCH" in r.stdout) == (code != 0)
+    if code:
+        assert r.stderr.count("error:") == 1 and "ed8287f" in r.stderr

@@ -1,16 +1,33 @@
-"""The embedded H3 LoRA SFT trainer on the CPU (tiny preset): a run, its cache, its export, bad input."""
+"""``miles_ext.train``, the embedded H3 LoRA SFT trainer, on the CPU (tiny preset): its typed config, a run,
+its cache and checkpoints, exact resume, its export, bad input. Every run writes under ``tmp_path`` and picks a
+free rendezvous port, so the tests run in parallel."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from miles_ext.train import H3SFTConfig, parse_args
+from patches.core.checkpoint import CheckpointManager
+from patches.core.config import field_docs
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+def checkpoint(out_root: Path, rollout: int) -> Path:
+    """The launcher's checkpoint of ``rollout`` under ``OUTPUT_ROOT=out_root``."""
+    return CheckpointManager(out_root / "h3_t2va_sft").path(rollout)
+
+
+def latest_marker(out_root: Path) -> str:
+    return (out_root / "h3_t2va_sft" / "checkpoints" / "latest_checkpoint.txt").read_text()
 
 
 def run(tmp_path, *extra, env=None):
@@ -39,7 +56,9 @@ def test_main_job_trains_two_steps_with_the_8_gpu_schedule(first_run):
     assert s["optimizer_steps"] == 2 and s["global_batch"] == 8 and s["micro_batches_per_step"] == 8
     assert s["loss_sigma_buckets"] and all(k.startswith("loss_sigma_") for k in s["loss_sigma_buckets"])
     assert s["data"]["cache_misses"] == s["data"]["rows"] > 0
-    assert Path(s["checkpoint"]).is_file()
+    assert Path(s["checkpoint"]).is_file() and Path(s["checkpoint"]) == checkpoint(tmp / "out", 1)
+    assert checkpoint(tmp / "out", 1).name == "iter_000000001.pt"
+    assert latest_marker(tmp / "out") == "iter_000000001.pt\n"
 
 
 def test_resume_continues_exactly_and_skips_encoding(first_run, tmp_path):
@@ -53,25 +72,78 @@ def test_resume_continues_exactly_and_skips_encoding(first_run, tmp_path):
     assert s["resumed_from_rollout"] == 1 and s["optimizer_steps"] == 2
     straight = run(tmp_path, "--num-rollout", "2", env={"OUTPUT_ROOT": str(tmp_path / "straight")})
     assert straight.returncode == 0, straight.stderr[-3000:]
-    a = torch.load(tmp / "out" / "h3_t2va_sft" / "checkpoints" / "iter_0000002.pt", weights_only=False)
-    b = torch.load(tmp_path / "straight" / "h3_t2va_sft" / "checkpoints" / "iter_0000002.pt", weights_only=False)
-    assert a["lora"].keys() == b["lora"].keys() and all(torch.equal(a["lora"][k], b["lora"][k]) for k in a["lora"])
+    assert latest_marker(tmp / "out") == "iter_000000002.pt\n" and s["checkpoint"] == str(checkpoint(tmp / "out", 2))
+    b = torch.load(checkpoint(tmp_path / "straight", 2), weights_only=False)
+
+    def same_lora(path: Path) -> bool:
+        a = torch.load(path, weights_only=False)
+        return a["lora"].keys() == b["lora"].keys() and all(torch.equal(a["lora"][k], b["lora"][k]) for k in a["lora"])
+
+    assert same_lora(checkpoint(tmp / "out", 2))
     again = run(tmp, "--num-rollout", "2")
     assert again.returncode == 0 and "nothing to do" in again.stdout
-    ex = subprocess.run([sys.executable, "-m", "miles_ext.export_lora", str(tmp_path / "straight" / "h3_t2va_sft" /
-                         "checkpoints" / "iter_0000002.pt"), str(tmp_path / "adapter")],
-                        capture_output=True, text=True, cwd=REPO)
+    ex = subprocess.run([sys.executable, "-m", "miles_ext.export_lora", str(checkpoint(tmp_path / "straight", 2)),
+                         str(tmp_path / "adapter")], capture_output=True, text=True, cwd=REPO)
     assert ex.returncode == 0 and "exported 36 LoRA tensors (rank 64, alpha 128" in ex.stdout, ex.stderr
     assert "DeviceMesh" not in ex.stderr  # the checkpoint holds plain tensors only
+    # a damaged newest checkpoint: the run says so, resumes from the one before, and trains rollout 2 again exactly
+    checkpoint(tmp / "out", 2).write_bytes(b"truncated")
+    redo = run(tmp, "--num-rollout", "2")
+    assert redo.returncode == 0 and "damaged" in redo.stderr, redo.stderr[-3000:]
+    assert f"resumed from {checkpoint(tmp / 'out', 1)} after rollout 1" in redo.stdout
+    assert same_lora(checkpoint(tmp / "out", 2))
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--fsdp-master-dtype", "fp16"], "fp16"),
     (["--lora-target-modules", "no_such_layer"], "match no nn.Linear"),
     (["--rollout-batch-size", "12"], "not divisible by the GPU count 8"),
-], ids=["bad-master-dtype", "lora-targets-match-nothing", "batch-not-divisible"])
+    (["--master-port", "BUSY"], "is in use"),
+], ids=["bad-master-dtype", "lora-targets-match-nothing", "batch-not-divisible", "master-port-in-use"])
 def test_bad_input_is_one_error_line(tmp_path, args, needle):
-    r = run(tmp_path, *args)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = run(tmp_path, *[str(busy.getsockname()[1]) if a == "BUSY" else a for a in args])
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
     assert not (tmp_path / "out" / "h3_t2va_sft" / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------------------ typed config
+OLD_FLAG_DEFAULTS = dict(  # the flags and defaults of the argparse namespace the config replaced
+    preset="auto", rollout_batch_size=32, n_samples_per_prompt=1, num_steps_per_rollout=4, global_batch_size=None,
+    micro_batch_size=1, from_gpus=8, num_rollout=1, lora_rank=64, lora_alpha=128, lora_target_modules=None, lr=1e-4,
+    clip_grad=1.0, fsdp_master_dtype="bf16", fsdp_cpu_offload=False, deterministic_mode=False,
+    text_encoder_random_weights=False, seed=1234, data_dir="", cache_dir="", output_dir="outputs/h3_sft",
+)
+
+
+def test_config_has_the_old_flags_and_defaults_and_a_doc_per_field():
+    cfg = parse_args([])
+    assert isinstance(cfg, H3SFTConfig) and cfg == H3SFTConfig()
+    assert {k: getattr(cfg, k) for k in OLD_FLAG_DEFAULTS} == OLD_FLAG_DEFAULTS
+    assert cfg.master_port is None  # was a fixed 29517: now $MASTER_PORT or a free port
+    docs = field_docs(H3SFTConfig)
+    assert all(docs.get(f.name) for f in dataclasses.fields(H3SFTConfig))
+
+
+def test_flags_parse_into_typed_fields():
+    cfg = parse_args(["--preset", "tiny", "--lora-target-modules", "attn.to_q", "ff.net.2", "--global-batch-size", "8",
+                      "--lora-alpha", "32", "--fsdp-cpu-offload", "--master-port", "4242", "--num-rollout", "3"])
+    assert cfg.preset == "tiny" and cfg.lora_target_modules == ["attn.to_q", "ff.net.2"]
+    assert cfg.global_batch_size == 8 and cfg.lora_alpha == 32.0 and cfg.fsdp_cpu_offload is True
+    assert cfg.master_port == 4242 and cfg.num_rollout == 3
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--preset", "huge"])
+    assert e.value.code == 2
+
+
+def test_help_lists_every_flag_with_its_doc():
+    r = subprocess.run([sys.executable, "-m", "miles_ext.train", "--help"], capture_output=True, text=True, cwd=REPO,
+                       timeout=120, env=dict(os.environ, COLUMNS="1000"))  # no wrapping inside a doc
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    for f in dataclasses.fields(H3SFTConfig):
+        assert "--" + f.name.replace("_", "-") in text and field_docs(H3SFTConfig)[f.name] in text
+    assert "{auto,tiny,full}" in text and "(default 32)" in text

@@ -110,10 +110,10 @@ def test_launcher_refuses_bad_variables(tmp_path, extra, needle):
 
     e = {k: v for k, v in os.environ.items()
          if k not in ("MEMTEST", "EMAVAL", "COSMOS_FRAMEWORK_ROOT", "DATASET_PATH", "COSMOS_EMA_CPU_SUBSET")}
-    e.update(extra, OUTPUT_ROOT=str(tmp_path / "out"), PYTHON=sys.executable)
+    e.update(extra, OUTPUT_ROOT=str(tmp_path / "out"), ONECARD_DATA_CACHE=str(tmp_path / "cache"), PYTHON=sys.executable)
     r = subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], env=e, capture_output=True, text=True)
     assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 
 # ---------------------------------------------------------------------------------- the main job
@@ -127,7 +127,7 @@ def test_main_job_summary_and_checkpoint(env, capsys):
     assert rc == 0, err
     assert out.splitlines()[0].startswith("onecard: preset tiny on CPU (no GPU found)")
     s = _final(env / "out")
-    assert s["steps"] == 4 and s["drops"] == 0 and s["ema"]["kind"] == "CpuSubsetEMA"
+    assert s["steps"] == 4 and s["drops"] == 0 and s["ema"]["placement"] == "cpu_subset"
     assert s["ema"]["num_updates"] == 4 and 0 < s["ema"]["last_beta"] < 1
     for key in ("samples_per_optimizer_step", "peak_gpu_gib", "peak_host_rss_gib", "pinned_bytes", "checkpoint"):
         assert key in s

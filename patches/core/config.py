@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+import types
 import typing
 from typing import Any, Mapping, TypeVar
 
@@ -55,6 +56,11 @@ def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _is_union(origin: Any) -> bool:
+    """Whether a type's origin is a union (``Optional[X]``, ``X | None``)."""
+    return origin is typing.Union or origin is types.UnionType
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -62,7 +68,7 @@ def _type_name(tp: Any) -> str:
 def _check(value: Any, tp: Any, where: str) -> Any:
     """``value`` converted to ``tp`` (int -> float only), or :class:`ConfigError` naming ``where``."""
     origin = typing.get_origin(tp)
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if _is_union(origin):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
@@ -156,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(flag, action="store_true", default=default, help=help_)
             continue
         base = tp
-        if typing.get_origin(tp) is typing.Union or str(typing.get_origin(tp)) == "types.UnionType":
+        if _is_union(typing.get_origin(tp)):
             base = next(a for a in typing.get_args(tp) if a is not type(None))
         kw: dict[str, Any] = {"default": default, "help": help_ + (f" (default {default})" if default not in (None, "") else "")}
         if typing.get_origin(base) in (list, tuple):

@@ -1,7 +1,8 @@
 """Environment flags that switch the levers on.
 
-Every flag is off unless set; a set flag must read 1/0/true/false/yes/no (any case), anything else
-raises :class:`FlagError` naming the variable and the accepted values.
+Every flag is off unless set. A boolean :class:`Flag` must read 1/0/true/false/yes/no (any case); a
+:class:`ChoiceFlag` must be unset, empty, or one of its accepted words (any case). Anything else raises
+:class:`FlagError` naming the variable and the accepted values.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ _FALSE = {"0", "false", "no", ""}
 
 
 class FlagError(UserError):
-    """An environment flag holds a value that is not a boolean."""
+    """An environment flag holds a value it does not accept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,44 @@ class Flag:
         )
 
 
+class Choice(str):
+    """A :class:`ChoiceFlag`'s value: the accepted word, or ``""`` when off.
+
+    It is a ``str`` (so it prints and serialises as the word) whose truth is "on", and ``int()`` of it is
+    1 or 0, so code that reads every flag as a boolean (``PatchSet.wanted``, ``patches.run``'s line) works.
+    """
+
+    __slots__ = ()
+
+    def __int__(self) -> int:
+        return 1 if self else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ChoiceFlag:
+    """One environment flag that names one of a few choices; unset or empty means off."""
+
+    name: str
+    """Environment variable name."""
+    help: str
+    """What each choice does."""
+    choices: tuple[str, ...]
+    """The accepted words (lower case), each of which turns the flag on."""
+
+    def value(self, environ: dict[str, str] | None = None) -> Choice:
+        """The flag's value in ``environ`` (default ``os.environ``); raises :class:`FlagError` on bad text."""
+        raw = (environ if environ is not None else os.environ).get(self.name, "")
+        text = raw.strip().lower()
+        if not text:
+            return Choice("")
+        if text in self.choices:
+            return Choice(text)
+        raise FlagError(
+            f"{self.name}={raw!r} is not an accepted value: set it to {' or '.join(self.choices)}, "
+            "or unset it (or set it empty) to leave it off"
+        )
+
+
 EMA_CPU_SUBSET = Flag(
     "COSMOS_EMA_CPU_SUBSET",
     "fp32 EMA of the trainable subset only, in pinned host memory, updated off the training thread",
@@ -50,9 +89,17 @@ VAE_CPU_OFFLOAD = Flag(
     "frozen Wan2.2 VAE parked in pinned host memory, on the GPU only for a micro-batch's encodes",
 )
 
-ALL_FLAGS: tuple[Flag, ...] = (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD)
+ATTN_BACKEND = ChoiceFlag(
+    "COSMOS_ATTN_BACKEND",
+    "torch: upstream's attention() runs on PyTorch's own kernels (varlen_attn on CUDA bf16/fp16, "
+    "scaled_dot_product_attention otherwise) instead of flash/cuDNN/NATTEN; unset: upstream's choice",
+    ("torch",),
+)
+
+ALL_FLAGS: tuple[Flag | ChoiceFlag, ...] = (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, ATTN_BACKEND)
 
 
-def read_all(environ: dict[str, str] | None = None) -> dict[str, bool]:
-    """All flags' values by name; raises :class:`FlagError` on the first bad one."""
+def read_all(environ: dict[str, str] | None = None) -> dict[str, bool | Choice]:
+    """All flags' values by name (a :class:`Choice` for a :class:`ChoiceFlag`, truthy when on); raises
+    :class:`FlagError` on the first bad one."""
     return {f.name: f.value(environ) for f in ALL_FLAGS}

@@ -18,6 +18,16 @@ TMP_MARK = ".tmp-"
 """Substring of every temporary name (``.<name>.tmp-<random>``), so stale ones can be found and removed."""
 
 
+def _umask_mode() -> int:
+    """``0o666`` less the process umask: the mode ``open()`` would give a new file (``mkstemp`` gives 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_MODE = _umask_mode()  # read once, at import: changing the umask is process-wide and not thread-safe
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
     """Open a temporary file next to ``path``; on a clean exit fsync it and rename it onto ``path``.
@@ -32,6 +42,7 @@ def atomic_open(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _MODE)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -47,6 +58,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, _MODE)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

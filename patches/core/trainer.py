@@ -7,6 +7,8 @@ function here:
 1. :func:`build` -- ``recipe.build(stack)``: config checks, data, model, optimizer: the stock recipe.
 2. ``recipe.attach_levers(stack)``: the levers the flags ask for (each an object attached to what it
    acts on; the loop never branches on a flag).
+   The run folder is then locked (:func:`~patches.core.lock.hold_run_lock`): a second run into it stops
+   with one error naming the process that holds it.
 3. :func:`resume` -- the newest readable checkpoint of :attr:`Recipe.checkpoints`, if any, goes to
    ``recipe.load_state_dict``; otherwise ``recipe.warm_start()``.
 4. :func:`loop` -- ``recipe.train_step(step)`` for every step left, a progress bar, and a checkpoint
@@ -31,6 +33,7 @@ from typing import Any
 
 from .checkpoint import CheckpointManager
 from .io import atomic_write_json
+from .lock import hold_run_lock
 
 
 @dataclasses.dataclass
@@ -168,6 +171,7 @@ def run(recipe: Recipe) -> dict[str, Any]:
     """Build, attach the levers, resume, train, summarise; returns the summary."""
     with contextlib.ExitStack() as stack:
         build(recipe, stack)
+        stack.enter_context(hold_run_lock(recipe.run_dir, enabled=recipe.main_rank))
         start = resume(recipe)
         if start >= recipe.max_steps:
             return nothing_to_do(recipe, start)

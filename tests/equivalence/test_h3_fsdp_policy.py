@@ -12,9 +12,11 @@ One launch of 2 gloo ranks (tiny H3, LoRA rank 8, bf16 master, CPU offload, para
   and root units hold no trainable parameter; everything (sharded params, grads) lives on the host.
 - **Gradient accumulation adds under offload**: grads after micro-batches A then B equal grads(A) + grads(B)
   bitwise (the same fp32 additions). Planted bug: an accumulation that overwrites (grads(B) alone) fails it.
-- **clip_grad_norm** over sharded host gradients: the total norm equals the norm of the full gradients (rel
-  1e-6; the sum runs in another order) and the clipped shards are the full gradients times
+- **clip_offloaded_grad_norm** over sharded host gradients: the total norm equals the norm of the full
+  gradients (rel 1e-6; the sum runs in another order) and the clipped shards are the full gradients times
   ``max_norm / (norm + 1e-6)``; on plain tensors it agrees with ``torch.nn.utils.clip_grad_norm_``.
+
+The master-dtype proof (bf16 master == fp32 master) is ``test_h3_fsdp_policy_master_dtype.py``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import pytest
 import torch
 from torch import nn
 
-from miles_ext.fsdp_policy import apply_fsdp2, clip_grad_norm, parse_master_dtype, set_master_dtype
-from tests.equivalence.test_h3_topology import cpu_mesh, launch
+from miles_ext.fsdp_policy import apply_fsdp2, clip_offloaded_grad_norm, parse_master_dtype, set_master_dtype
+from tests.equivalence.h3_ranks import cpu_mesh, launch
 
 WORLD = 2
 
@@ -112,7 +114,7 @@ def _worker(rank: int, world: int, out: str) -> None:
     full = _full_grads(lora)
     ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in full.values()]))
     max_norm = float(ref_norm) / 3  # clipping active
-    norm = clip_grad_norm(lora.values(), max_norm)
+    norm = clip_offloaded_grad_norm(lora.values(), max_norm)
     res["clip"] = dict(norm=float(norm), ref_norm=float(ref_norm), max_norm=max_norm, full=full,
                        clipped=_full_grads(lora))
     if rank == 0:
@@ -172,7 +174,7 @@ def test_planted_overwrite_breaks_the_accumulation_check(res):
     assert not _adds(a, b, b)  # an accumulation that kept only the last micro-batch
 
 
-def test_clip_grad_norm_over_sharded_host_grads(res):
+def test_clip_offloaded_grad_norm_over_sharded_host_grads(res):
     c = res["clip"]
     assert abs(c["norm"] - c["ref_norm"]) <= 1e-6 * c["ref_norm"]
     coef = c["max_norm"] / (c["norm"] + 1e-6)
@@ -180,21 +182,21 @@ def test_clip_grad_norm_over_sharded_host_grads(res):
         torch.testing.assert_close(c["clipped"][k], g * coef, rtol=1e-6, atol=0)
 
 
-def test_clip_grad_norm_matches_torch_on_plain_tensors():
+def test_clip_offloaded_grad_norm_matches_torch_on_plain_tensors():
     torch.manual_seed(0)
     a = [nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
     b = [nn.Parameter(p.detach().clone()) for p in a]
     for p, q in zip(a, b):
         p.grad = torch.randn(p.shape)
         q.grad = p.grad.clone()
-    n1 = clip_grad_norm(a, 0.5)
+    n1 = clip_offloaded_grad_norm(a, 0.5)
     n2 = torch.nn.utils.clip_grad_norm_(b, 0.5)
     torch.testing.assert_close(n1, n2, rtol=1e-6, atol=0)
     for p, q in zip(a, b):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
     with pytest.raises(RuntimeError, match="non-finite"):
         a[0].grad[0, 0] = float("nan")
-        clip_grad_norm(a, 0.5, error_if_nonfinite=True)
+        clip_offloaded_grad_norm(a, 0.5, error_if_nonfinite=True)
 
 
 @pytest.mark.parametrize("bad", ["fp16", "float32", torch.float16, "bfloat16"])

@@ -1,7 +1,7 @@
 """A/B equivalence of lever 2 (``COSMOS_VAE_CPU_OFFLOAD``): the parked-in-pinned-memory Wan2.2 VAE.
 
 Proof: latents from the resident VAE and from the same VAE after attaching :class:`VAEOffload` and
-cycling park/unpark are ``torch.equal``; the state_dict (dtype, shape, stride, value per tensor) and the
+cycling it through ``on_device()`` (the one way to the device) are ``torch.equal``; the state_dict (dtype, shape, stride, value per tensor) and the
 buffer set are unchanged. Planted bugs show the proof can fail: a host copy in the wrong dtype, and an
 unpark that allocates without copying. CPU tests use the ``tiny`` preset (Wan2.2 layout, base_dim 8) and
 a 1x3x9x32x32 float32 clip; the CUDA test runs the same proof on the GPU.
@@ -68,8 +68,8 @@ def test_latents_equal_resident_vs_offloaded(keep_encoder_resident: bool) -> Non
     off = VAEOffload(vae, "cpu", keep_encoder_resident=keep_encoder_resident)
     assert vae._onecard_offload is off and off.parked
     for _ in range(3):
-        off.unpark()
-        off.park()
+        with off.on_device():
+            pass
     with off.on_device():
         out = encode_latents(vae, video)
     assert torch.equal(out, ref)
@@ -111,9 +111,8 @@ def test_state_dtypes_buffers_and_parameter_objects_preserved() -> None:
 
     for _ in range(4):
         check()  # parked
-        off.unpark()
-        check()  # unparked
-        off.park()
+        with off.on_device():
+            check()  # unparked
     check()
     # named_buffers() lists the shared buffer once; the offload also stores it once.
     assert off.num_tensors == len(params0) + len(bufs0) == len(params0) + 4
@@ -125,9 +124,8 @@ def test_storage_really_moves() -> None:
     params = list(vae.parameters())
     assert params and all(off.in_arena(p) for p in params)  # parked: the data IS the host copy
     host_ptrs = [p.data_ptr() for p in params]
-    off.unpark()
-    assert not any(off.in_arena(p) for p in params)  # fresh storage, outside the arena
-    off.park()
+    with off.on_device():
+        assert not any(off.in_arena(p) for p in params)  # fresh storage, outside the arena
     assert [p.data_ptr() for p in params] == host_ptrs  # back to the same host copies
     assert off.host_bytes >= off.device_bytes_when_unparked == sum(p.numel() * p.element_size() for p in params)
 
@@ -141,10 +139,11 @@ def test_keep_encoder_resident_parks_only_the_decoder_side() -> None:
     assert all(off.in_arena(p) for p in parked) and not any(off.in_arena(p) for p in resident)
     ptrs = [p.data_ptr() for p in resident]
     encode_latents(vae, _clip())  # encode path resident: no unpark needed
+    with off.on_device(encode_only=True):  # nor for an encode-only block
+        assert all(off.in_arena(p) for p in parked) and off.depth == 0
     assert off.stats["unpark_count"] == 0
-    off.unpark()
-    assert not any(off.in_arena(p) for p in parked)
-    off.park()
+    with off.on_device():
+        assert not any(off.in_arena(p) for p in parked)
     assert [p.data_ptr() for p in resident] == ptrs  # never moved
 
 
@@ -162,13 +161,13 @@ def test_host_rss_flat_over_cycles() -> None:
     assert 20 * off.device_bytes_when_unparked > 2 * slack
     proc = psutil.Process(os.getpid())
     for _ in range(3):  # warm the allocator
-        off.unpark()
-        off.park()
+        with off.on_device():
+            pass
     gc.collect()
     before = proc.memory_info().rss
     for _ in range(20):
-        off.unpark()
-        off.park()
+        with off.on_device():
+            pass
     gc.collect()
     after = proc.memory_info().rss
     assert after - before < slack, f"RSS grew by {(after - before) / MiB:.1f} MiB over 20 cycles"
@@ -183,21 +182,25 @@ def test_context_manager_parks_on_exception_and_does_not_double_move() -> None:
             raise RuntimeError("boom")
     assert off.parked and all(off.in_arena(p) for p in vae.parameters())
 
+    assert off.depth == 0
     with off.on_device():
         with off.on_device():  # nested: no move
+            assert off.depth == 2
             for _ in range(3):
                 encode_latents(vae, _clip())  # nested again inside encode_latents
-        assert not off.parked  # the inner exit did not park
-    assert off.parked
+        assert not off.parked and off.depth == 1  # the inner exit did not park
+    assert off.parked and off.depth == 0
     assert (off.stats["unpark_count"], off.stats["park_count"]) == (2, 2)
 
-    off.park()  # idempotent
-    off.unpark()
-    off.unpark()
-    with off.on_device():  # already unparked by hand: the context leaves it unparked
-        pass
-    assert not off.parked
-    assert (off.stats["unpark_count"], off.stats["park_count"]) == (3, 2)
+    # an exception in a nested block unwinds every level and parks exactly once
+    with pytest.raises(RuntimeError, match="inner"):
+        with off.on_device():
+            with off.on_device():
+                raise RuntimeError("inner")
+    assert off.parked and off.depth == 0
+    assert (off.stats["unpark_count"], off.stats["park_count"]) == (3, 3)
+    # park and unpark are not public: on_device() is the one way in
+    assert not hasattr(off, "park") and not hasattr(off, "unpark") and not hasattr(off, "for_encode")
 
 
 def test_trainable_parameter_raises() -> None:
@@ -215,6 +218,8 @@ def test_second_offload_and_bad_encoder_attr_raise() -> None:
     off = VAEOffload(vae, "cpu")
     with pytest.raises(ValueError, match="already has a VAEOffload"):
         VAEOffload(vae, "cpu")
+    with off.on_device(), pytest.raises(RuntimeError, match="inside on_device"):
+        off.remove()
     off.remove()
     assert getattr(vae, "_onecard_offload", None) is None and not any(off.in_arena(p) for p in vae.parameters())
 
@@ -313,9 +318,8 @@ def test_cuda_equivalence_and_pinned_transfers(keep_encoder_resident: bool) -> N
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        off.unpark()
-        grown = torch.cuda.memory_allocated() - base
-        off.park()
+        with off.on_device():
+            grown = torch.cuda.memory_allocated() - base
     assert grown >= off.device_bytes_when_unparked
     assert torch.cuda.memory_allocated() == base  # park dropped the device storage
     copies = [e.name for e in prof.events() if "HtoD" in e.name]
@@ -329,3 +333,31 @@ def test_cuda_equivalence_and_pinned_transfers(keep_encoder_resident: bool) -> N
     assert all(p.device.type == "cpu" for p in parked)
     rt = measure_round_trip(off, n=3)
     assert rt["median_s"] > 0
+
+
+# ------------------------------------------------------------------------- the upstream adapter (CPU)
+
+
+def test_upstream_offload_moves_the_scale_with_the_module_under_one_counter() -> None:
+    """``UpstreamVaeOffload`` is a :class:`VAEOffload` whose moves also carry upstream's ``wan.scale`` tuple."""
+    from types import SimpleNamespace
+
+    from cosmos_framework_ext.upstream import UpstreamVaeOffload
+
+    vae = _tiny_vae()
+    scale = (torch.randn(48), torch.rand(48) + 0.5)
+    wan = SimpleNamespace(model=vae, scale=scale)
+    ref = encode_latents(vae, _clip())
+    off = UpstreamVaeOffload(wan, torch.device("cpu"))
+    assert isinstance(off, VAEOffload) and vo.get_offload(vae) is off
+    assert off.parked and wan.scale is off._host_scale
+    assert all(torch.equal(a, b) for a, b in zip(wan.scale, scale))
+    with off.on_device():
+        on_device_scale = wan.scale
+        assert on_device_scale is not off._host_scale
+        with off.on_device():  # nested (get_data_and_condition -> encode): nothing moves again
+            assert wan.scale is on_device_scale
+            out = encode_latents(vae, _clip())
+    assert off.parked and wan.scale is off._host_scale and off.depth == 0
+    assert (off.stats["unpark_count"], off.stats["park_count"]) == (1, 1)
+    assert torch.equal(out, ref)

@@ -1,7 +1,7 @@
 """A tiny, deterministic run of the real training step (CPU, fp32), shared by the equivalence proofs.
 
 It goes through the trainer's own code: ``build_packed_inputs`` (packed joint sequence, segment masks),
-``micro_batch_loss`` (the recipe's normalisation), ``clip_grad_norm`` and AdamW with the recipe's betas/eps.
+``micro_batch_loss`` (the recipe's normalisation), ``grad_clip`` and AdamW with the recipe's betas/eps.
 Inputs are random latents, so no dataset or VAE is needed.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from typing import Callable, Iterator
 
 import torch
@@ -17,7 +16,8 @@ import torch
 from cosmos_framework_ext import attention
 from cosmos_framework_ext.attention import build_packed_inputs
 from cosmos_framework_ext.presets import build_transformer, get_preset, select_trainable
-from cosmos_framework_ext.recipe import clip_grad_norm, flow_matching_inputs, micro_batch_loss
+from cosmos_framework_ext.recipe import flow_matching_inputs, grad_clip, micro_batch_loss
+from patches.core.runtime import free_port  # noqa: F401 - the proofs spawn ranks on it (R.free_port)
 
 KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
 GRAD_ACCUM = 2
@@ -81,7 +81,7 @@ def train(model, opt, start: int, stop: int, after_step: Callable[[int], None] |
     for iteration in range(start, stop):
         for micro in range(GRAD_ACCUM):
             loss_of(model, micro_batch(iteration, micro)).backward()
-        clip_grad_norm(params, 0.1, True)
+        grad_clip(params, 0.1, True)
         opt.step()
         if after_step is not None:
             after_step(iteration)
@@ -89,12 +89,6 @@ def train(model, opt, start: int, stop: int, after_step: Callable[[int], None] |
 
 
 # ----------------------------------------------------------------- several ranks on the CPU (gloo, spawn)
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
     """This spawned process as ``rank`` of a gloo process group, torn down on exit."""

@@ -26,7 +26,7 @@ from patches.guard import UpstreamMismatch
 
 ROOT = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
 KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
-ON = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True}
+ON = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True, "COSMOS_ATTN_BACKEND": "torch"}
 
 
 def _om():
@@ -135,7 +135,8 @@ def test_ema_lever_equals_upstream_stock_updater(om):
         assert sum(p.numel() for p in lever.net_ema.parameters()) == 0  # no fp32 tower
         assert lever.ema_exp_coefficient == pytest.approx(6.9372, abs=1e-4)
         train_steps(om, lever)
-        ema = lever.net_ema_worker.ema.state_dict(lever.net)
+        assert lever.net_ema_worker.ema.model is lever.net and lever.net_ema_worker.ema.placement == "cpu_subset"
+        ema = lever.net_ema_worker.ema.state_dict()["shadow"]
         stock_ema = {canonical_name(n): p for n, p in stock.net_ema.named_parameters()}
         trainable = [canonical_name(n) for n, p in lever.net.named_parameters() if p.requires_grad]
         assert trainable and all(torch.equal(ema[k], stock_ema[k]) for k in trainable)
@@ -166,14 +167,14 @@ def test_dcp_round_trip_restores_the_host_ema(om, tmp_path):
         assert net_keys and net_keys == ema_keys  # net_ema.<k> for every net.<k>
         assert not any("_orig_mod" in k or "_checkpoint_wrapped_module" in k for k in sd)
         dcp.save(sd, checkpoint_id=str(tmp_path / "ckpt"))
-        expect = model.net_ema_worker.ema.state_dict(model.net)
+        expect = model.net_ema_worker.ema.state_dict()["shadow"]
 
         fresh = set_up(om)
         template = ModelWrapper(fresh).state_dict()
         dcp.load(template, checkpoint_id=str(tmp_path / "ckpt"))
         result = ModelWrapper(fresh).load_state_dict(template)
         assert not [k for k in result.unexpected_keys if k.startswith("net_ema.")]
-        got = fresh.net_ema_worker.ema.state_dict(fresh.net)
+        got = fresh.net_ema_worker.ema.state_dict()["shadow"]
         assert got.keys() == expect.keys() and all(torch.equal(got[k], expect[k]) for k in expect)
     finally:
         ps.revert()
@@ -215,9 +216,10 @@ def test_vae_offload_on_upstream_wan_vae_is_bit_exact():
     with torch.no_grad():
         resident = vae.encode(x, wan.scale)
     off = UpstreamVaeOffload(wan, torch.device("cpu"))
-    assert off.offload.parked and all(off.offload.in_arena(p) for p in vae.parameters())
+    assert off.parked and all(off.in_arena(p) for p in vae.parameters())
     with torch.no_grad(), off.on_device():
-        assert not any(off.offload.in_arena(p) for p in vae.parameters())
+        with off.on_device():  # nested (get_data_and_condition -> encode): one depth counter, no second move
+            assert not any(off.in_arena(p) for p in vae.parameters()) and wan.scale is not off._host_scale
         parked = wan.model.encode(x, wan.scale)
     assert torch.equal(resident, parked)
-    assert off.offload.parked and wan.scale is off._host_scale
+    assert off.parked and wan.scale is off._host_scale and off.stats["unpark_count"] == 1

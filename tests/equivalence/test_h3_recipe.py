@@ -1,13 +1,14 @@
-"""One GPU trains what N GPUs train: MiniMax-H3 LoRA SFT, N ranks x 1 micro-batch == 1 rank x N accumulated.
+"""``miles_ext.recipe``'s 8->1 schedule: one GPU trains what N GPUs train (MiniMax-H3 LoRA SFT, N ranks x 1
+micro-batch == 1 rank x N accumulated), and the schedule / seeding units it rests on.
 
 The N-rank side is upstream's semantics, stated independently (:func:`miles_ext.recipe.rank_schedule`):
 contiguous DP split, per-rank windows, ``microbatch_id`` counted per rank, ``dp_rank`` = rank, every rank
 backprops ``loss_sum / num_local_pairs`` and FSDP2 averages over ranks. The 1-rank side runs
 :func:`miles_ext.recipe.pair_schedule`: micro-batch j of a step trains rank j's pairs with rank j's seed
 identity. Both sides: the tiny H3 preset with LoRA (rank 8, gaussian init), FSDP2 with CPU offload, fp32
-throughout (master, compute and reduce), grad clip 0.05 (:func:`miles_ext.fsdp_policy.clip_grad_norm`; active:
-the step-1 norm is about 0.09, so the sharded norm is exercised too), the
-recipe's batch (rollout 32, 4 steps per rollout -> global batch 8, micro-batch 1). N = 8, 4 and 2; 3 steps each.
+throughout (master, compute and reduce), grad clip 0.05 (:func:`miles_ext.fsdp_policy.clip_offloaded_grad_norm`;
+active: the step-1 norm is about 0.09, so the sharded norm is exercised too), the recipe's batch (rollout 32,
+4 steps per rollout -> global batch 8, micro-batch 1). N = 8, 4 and 2; 3 steps each.
 
 Claims (relative error per tensor: ``max|a - b| <= rtol * max|a|``):
 
@@ -33,26 +34,21 @@ and the naive seed mapping of a plain 1-GPU run (``microbatch_id`` counted over 
 only scales the gradients (x8); the active clip and Adam's scale invariance hide a scale from the weights, so
 that bug is visible in the gradients only -- which is why the gradients, not just the weights, are compared.
 
-Ranks are real processes in a gloo group, started from a forkserver that imports torch/diffusers/PEFT once
-(``spawn`` re-imports them per rank, ~9 s of CPU each, too slow for 15 ranks on 2 cores; ``fork`` of the test
-process hangs). The forkserver is a fresh single-threaded interpreter, so forking it is safe.
+Ranks are real processes in a gloo group (:func:`tests.equivalence.h3_ranks.launch`: forkserver, free port).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 
 from miles_ext.recipe import MicroBatchSlot, derive_batch, pair_schedule, rank_schedule, stable_hash
-from miles_ext.tiny_run import PRELOAD
-from tests.equivalence.tiny_recipe import free_port, gloo_rank
+from tests.equivalence.h3_ranks import cpu_mesh, launch
 
 ROLLOUT, STEPS_PER_ROLLOUT, MBS, SEED = 32, 4, 1, 1234
 GBS, _ = derive_batch(ROLLOUT, 8, num_steps_per_rollout=STEPS_PER_ROLLOUT)  # 8: no world-size term
@@ -65,41 +61,6 @@ MAX_GRAD_NORM = 0.05
 BUGS = ("bug_world_size_term", "bug_per_micro_batch_mean", "bug_seed_mapping")
 
 Plan = list[list[MicroBatchSlot]]
-
-
-# ----------------------------------------------------------------------------------------- launching
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple) -> None:
-    torch.set_num_threads(1)
-    with gloo_rank(rank, world, port):
-        fn(rank, world, *args)
-
-
-def cpu_mesh():
-    """The gloo world as a CPU device mesh: these proofs compute on the CPU even on a machine with a GPU."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-
-
-def launch(fn: Callable[..., Any], world: int, *args: Any) -> None:
-    """``fn(rank, world, *args)`` in ``world`` processes joined by gloo (forkserver; see module docstring).
-    ``fn`` must be a module-level function; results go through files."""
-    import torch.multiprocessing as mp
-
-    multiprocessing.set_forkserver_preload(PRELOAD + ["tests.equivalence.tiny_recipe", __name__])
-    # CPU proofs: hide any GPU from the forkserver (started here, with this environment) and so from every rank.
-    # A forked rank must not touch CUDA, and on a GPU machine torch would (the default mesh, Adam's graph-capture
-    # check), failing with "CUDA error: initialization error".
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True,
-                           start_method="forkserver")
-    finally:
-        if saved is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 # ------------------------------------------------------------------------------------------ one run

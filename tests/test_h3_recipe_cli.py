@@ -1,4 +1,6 @@
-"""``python -m miles_ext.recipe translate``: the 8-GPU H3 SFT recipe's arguments -> 1 GPU, and its refusals."""
+"""``miles_ext.recipe``'s command line, ``python -m miles_ext.recipe translate``: the 8-GPU H3 SFT recipe's
+arguments -> 1 GPU, and its refusals (the 8->1 schedule itself is proved in
+``tests/equivalence/test_h3_recipe.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_ext.recipe import derive_batch, main, translate
+from miles_ext.recipe import TranslationError, derive_batch, main, translate
+from patches.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,3 +175,6 @@ def test_module_entry_point():
 def test_translate_function_api():
     t = translate(RECIPE_8, from_gpus=8, to_gpus=1)
     assert t.args[:2] == ["--rollout-batch-size", "32"] and len(t.invariants) == 7 and t.changed
+    with pytest.raises(UserError):  # TranslationError is the shared bad-input type (and still a ValueError)
+        translate(RECIPE_8, from_gpus=8, to_gpus=3)
+    assert issubclass(TranslationError, UserError) and issubclass(TranslationError, ValueError)

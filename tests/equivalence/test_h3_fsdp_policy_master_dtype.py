@@ -1,4 +1,5 @@
-"""A bf16 master trains what an fp32 master trains (frozen H3 base, LoRA-only, FSDP2 with CPU offload).
+"""``miles_ext.fsdp_policy``'s master dtype: a bf16 master trains what an fp32 master trains (frozen H3 base,
+LoRA-only, FSDP2 with CPU offload).
 
 The 8-GPU recipe stores the base in fp32 (``--fsdp-master-dtype fp32``); the 1-GPU port stores it in bf16,
 halving the host bytes of the offloaded base. Both gather the base at ``param_dtype`` bf16 for the forward
@@ -26,7 +27,8 @@ import pytest
 import torch
 
 from miles_ext.recipe import pair_schedule
-from tests.equivalence.test_h3_topology import cpu_mesh, launch
+from patches.core.runtime import free_port
+from tests.equivalence.h3_ranks import cpu_mesh, launch
 
 SEED, STEPS = 1234, 2
 RUNS = ("fp32", "bf16", "bug_bf16_adapters", "bug_plain_peft_init")
@@ -204,8 +206,6 @@ def test_on_cuda_bf16_master_offload_and_accumulation(tmp_path):
     """On a GPU, with pinned host offload and upstream's cpu:gloo,cuda:nccl group: bf16 master == fp32 master
     (losses and LoRA weights after 2 steps, bitwise), grads and params on the pinned host, accumulation adds,
     and the clip (active: max norm 1e-3) runs on the host gradients."""
-    from tests.equivalence.tiny_recipe import free_port
-
     out = str(tmp_path / "cuda.pt")
     world = min(torch.cuda.device_count(), 2)
     torch.multiprocessing.spawn(_cuda_entry, args=(world, free_port(), out), nprocs=world, join=True)

@@ -1,0 +1,81 @@
+"""torchrun worker entry for upstream runs: cap this rank's GPU memory, report its peak, run ``-m MODULE``.
+
+    python benchmarks/upstream/memcap.py [-u] -m MODULE [ARGS...]
+
+torchrun starts every worker as ``$PYTHON_EXEC -u -m MODULE ARGS...``. ``run_upstream.sh`` points
+``PYTHON_EXEC`` at a two-line shell script that runs this file with those arguments, because neither
+the launcher's upstream path nor upstream's trainer caps the card: ``ONECARD_GPU_MEMORY_GIB`` is read
+only by onecard's embedded trainer, and upstream's own ``DEVICE_MEMORY_FRACTION`` only by its inference
+init. So, before MODULE runs:
+
+* with ``ONECARD_GPU_MEMORY_GIB`` set (e.g. ``22.06``, a 24 GB card's usable memory), the rank's device
+  (``LOCAL_RANK``) is capped with ``torch.cuda.set_per_process_memory_fraction``: the caching allocator
+  then fails with an out-of-memory error where a card that size would;
+* at exit, one line reports the rank's peak allocated and reserved memory (``torch.cuda.max_memory_*``).
+
+MODULE then runs as ``python -m`` would run it (``sys.path[0]`` is the working directory).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+
+GiB = 1 << 30
+
+
+def _cap_and_report(rank: str) -> None:
+    raw = os.environ.get("ONECARD_GPU_MEMORY_GIB", "").strip()
+    import torch
+
+    if not torch.cuda.is_available():
+        if raw:
+            print(f"onecard memcap[rank {rank}]: error: ONECARD_GPU_MEMORY_GIB={raw} but no CUDA device", file=sys.stderr)
+            sys.exit(2)
+        return
+    device = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    if raw:
+        try:
+            gib = float(raw)
+        except ValueError:
+            gib = -1.0
+        if not 0 < gib * GiB <= total:
+            print(f"onecard memcap[rank {rank}]: error: ONECARD_GPU_MEMORY_GIB={raw!r} must be a number of GiB in "
+                  f"(0, {total / GiB:.2f}] for this card", file=sys.stderr)
+            sys.exit(2)
+        torch.cuda.set_per_process_memory_fraction(gib * GiB / total, device)
+        print(f"onecard memcap[rank {rank}]: cuda:{device} capped at {gib:.2f} GiB of {total / GiB:.2f} GiB "
+              f"(set_per_process_memory_fraction {gib * GiB / total:.4f})", file=sys.stderr, flush=True)
+
+    def report() -> None:
+        try:
+            alloc = torch.cuda.max_memory_allocated(device) / GiB
+            reserved = torch.cuda.max_memory_reserved(device) / GiB
+        except Exception:  # noqa: BLE001 - a report at exit must never mask the run's own error
+            return
+        cap = f" (cap {float(raw):.2f} GiB)" if raw else ""
+        print(f"onecard memcap[rank {rank}]: cuda:{device} peak allocated {alloc:.2f} GiB, peak reserved "
+              f"{reserved:.2f} GiB{cap}", file=sys.stderr, flush=True)
+
+    atexit.register(report)
+
+
+def main(argv: list[str]) -> None:
+    args = list(argv)
+    while args and args[0] == "-u":  # torchrun's unbuffered flag; the launcher exports PYTHONUNBUFFERED=1
+        args.pop(0)
+    if len(args) < 2 or args[0] != "-m":
+        print("usage: memcap.py [-u] -m MODULE [ARGS...]", file=sys.stderr)
+        sys.exit(2)
+    module, rest = args[1], args[2:]
+    _cap_and_report(os.environ.get("RANK", "0"))
+    sys.path[0] = os.getcwd()
+    sys.argv = [module, *rest]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,79 @@
+"""One run per output folder: a lock file that names its holder, and that a dead holder does not keep.
+
+:func:`hold_run_lock` creates ``<run dir>/.onecard.lock`` exclusively (``O_CREAT | O_EXCL``) holding
+``{"pid": ..., "host": ...}``. A second run into the same folder stops with one :class:`RunLocked` error
+naming the lock file and the process holding it. A lock left by a process that no longer exists on this
+host (killed, crashed) is stale: it is taken over, and the run says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Iterator
+
+from .errors import UserError
+
+LOCK_NAME = ".onecard.lock"
+"""File name of the lock inside a run folder."""
+
+
+class RunLocked(UserError):
+    """Another live process is training into the same output folder."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _try_create(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+    return True
+
+
+@contextlib.contextmanager
+def hold_run_lock(run_dir: str | Path, enabled: bool = True) -> Iterator[Path | None]:
+    """Hold the run folder's lock for the ``with`` block (a no-op when ``enabled`` is false, e.g. rank > 0).
+
+    Raises:
+        RunLocked: a live process on this host (or any process on another host) holds the lock.
+    """
+    if not enabled:
+        yield None
+        return
+    path = Path(run_dir) / LOCK_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        if _try_create(path):
+            break
+        try:
+            holder = json.loads(path.read_text() or "{}")
+        except (OSError, ValueError):
+            holder = {}
+        pid, host = int(holder.get("pid", -1)), holder.get("host", "?")
+        if host == socket.gethostname() and pid > 0 and not _alive(pid):
+            print(f"onecard: removing stale lock {path} (process {pid} no longer exists)", flush=True)
+            path.unlink(missing_ok=True)
+            continue
+        raise RunLocked(f"{path.parent} is in use by process {pid} on {host} (lock {path}): wait for that run "
+                        f"to end, or use another output folder; if no such process exists, delete {path}")
+    else:
+        raise RunLocked(f"cannot take the lock {path}: delete it if no run is using {path.parent}")
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)

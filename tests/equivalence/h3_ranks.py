@@ -1,0 +1,67 @@
+"""Spawned gloo ranks for the H3 proofs (``test_h3_*.py``): a CPU mesh and a forkserver launcher.
+
+Ranks are real processes in a gloo group, started from a forkserver that imports torch/diffusers/PEFT once
+(``spawn`` re-imports them per rank, ~9 s of CPU each, too slow for 15 ranks on 2 cores; ``fork`` of the test
+process hangs). The forkserver is a fresh single-threaded interpreter, so forking it is safe. Every launch
+rendezvouses on a free port (:func:`patches.core.runtime.free_port`), so proofs can run in parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+from typing import Any, Callable, Iterator
+
+import torch
+
+from miles_ext.tiny_run import PRELOAD
+from patches.core.runtime import free_port
+
+__all__ = ["gloo_rank", "cpu_mesh", "launch"]
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
+    """This spawned process as ``rank`` of a gloo process group on ``127.0.0.1:port``, torn down on exit."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple) -> None:
+    torch.set_num_threads(1)
+    with gloo_rank(rank, world, port):
+        fn(rank, world, *args)
+
+
+def cpu_mesh():
+    """The gloo world as a CPU device mesh: these proofs compute on the CPU even on a machine with a GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+
+
+def launch(fn: Callable[..., Any], world: int, *args: Any) -> None:
+    """``fn(rank, world, *args)`` in ``world`` processes joined by gloo (forkserver; see module docstring).
+    ``fn`` must be a module-level function (its module is preloaded in the forkserver); results go through
+    files."""
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(PRELOAD + [__name__, fn.__module__])
+    # CPU proofs: hide any GPU from the forkserver (started here, with this environment) and so from every rank.
+    # A forked rank must not touch CUDA, and on a GPU machine torch would (the default mesh, Adam's graph-capture
+    # check), failing with "CUDA error: initialization error".
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True,
+                           start_method="forkserver")
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved

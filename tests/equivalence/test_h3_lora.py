@@ -1,0 +1,62 @@
+"""``miles_ext.lora``: LoRA adapters as the recipe attaches them (single process).
+
+fp32, trainable adapters on a bf16 base with the *same* initial values as on an fp32 base (planted contrast:
+plain PEFT rounds them), the recipe's defaults (rank 64, alpha 128, the H3 targets), and a ``ValueError`` that
+names the fix when the targets match nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_ext.lora import H3_LORA_TARGETS, attach_lora, lora_parameters, matched_target_modules
+from miles_ext.presets import build_transformer
+
+
+def _lora(dtype: torch.dtype, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_transformer("tiny", dtype=dtype)
+    torch.manual_seed(1)
+    return attach_lora(model, rank=8, alpha=16, **kw)
+
+
+def test_lora_defaults_are_the_recipe():
+    model = attach_lora(build_transformer("tiny"))
+    layer = model.transformer_blocks[0].attn.to_q
+    assert layer.r["default"] == 64 and layer.lora_alpha["default"] == 128 and layer.scaling["default"] == 2.0
+    assert len(matched_target_modules(build_transformer("tiny"), H3_LORA_TARGETS)) == 3 * 6
+    assert len(lora_parameters(model)) == 2 * 3 * 6  # lora_A and lora_B per adapted linear
+    assert set(lora_parameters(model)) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(torch.equal(p, torch.zeros_like(p)) for n, p in lora_parameters(model).items() if ".lora_B." in n)
+
+
+def test_lora_on_bf16_base_is_fp32_trainable_and_initialised_as_on_fp32():
+    ref, got = lora_parameters(_lora(torch.float32)), lora_parameters(_lora(torch.bfloat16))
+    assert len(got) == 36
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in got.values())
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_planted_plain_peft_init_on_bf16_differs():
+    from peft import LoraConfig, get_peft_model
+
+    ref = lora_parameters(_lora(torch.float32))
+    torch.manual_seed(0)
+    model = build_transformer("tiny", dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(H3_LORA_TARGETS),
+                                     init_lora_weights="gaussian"))
+    plain = lora_parameters(model)
+    assert all(p.dtype == torch.float32 for p in plain.values())
+    assert not all(torch.equal(ref[k], plain[k]) for k in ref)
+
+
+def test_lora_can_keep_base_dtype_when_asked():
+    got = lora_parameters(_lora(torch.bfloat16, autocast_adapter_dtype=False))
+    assert {p.dtype for p in got.values()} == {torch.bfloat16}
+
+
+def test_lora_targets_matching_nothing_raise_with_the_fix():
+    with pytest.raises(ValueError, match=r"match no nn.Linear.*leave target_modules unset"):
+        attach_lora(build_transformer("tiny"), target_modules=["attn.to_qkv"])

@@ -1,0 +1,132 @@
+"""The shared core: checkpoint manager, run lock, atomic writes, typed config."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from patches.core import config as cc
+from patches.core.checkpoint import CheckpointManager
+from patches.core.io import atomic_write
+from patches.core.lock import RunLocked, hold_run_lock
+
+
+def test_checkpoint_names_marker_and_latest(tmp_path):
+    m = CheckpointManager(tmp_path)
+    assert m.latest() is None and m.load_latest() is None
+    m.save(2, {"x": torch.tensor(2)})
+    p = m.save(10, {"x": torch.tensor(10)})
+    assert p.name == "iter_000000010.pt"
+    assert (m.dir / "latest_checkpoint.txt").read_text().strip() == p.name
+    path, state = m.load_latest()
+    assert path == p and int(state["x"]) == 10
+
+
+def test_damaged_latest_falls_back_to_the_newest_good_one(tmp_path):
+    m = CheckpointManager(tmp_path)
+    m.save(1, {"x": torch.tensor(1)})
+    p2 = m.save(2, {"x": torch.tensor(2)})
+    p2.write_bytes(p2.read_bytes()[:40])  # truncated by a full disk, say
+    with pytest.warns(UserWarning, match="iter_000000002.pt is damaged"):
+        path, state = m.load_latest()
+    assert path.name == "iter_000000001.pt" and int(state["x"]) == 1
+
+
+def test_killed_save_leaves_no_file_under_a_real_name_and_stale_temps_are_cleaned(tmp_path):
+    m = CheckpointManager(tmp_path)
+
+    def dies(path):
+        path.write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(m.path(3), dies)
+    assert m.all() == [] and list(m.dir.iterdir()) == []
+    (m.dir / ".iter_000000004.pt.tmp-abc").write_bytes(b"x")  # what a SIGKILL mid-save leaves
+    assert [p.name for p in m.clean_stale()] == [".iter_000000004.pt.tmp-abc"]
+    assert not CheckpointManager(tmp_path, write=False).save(5, {})  # ranks > 0 never write
+
+
+def test_second_run_into_the_same_folder_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    with hold_run_lock(tmp_path) as lock:
+        with pytest.raises(RunLocked, match=f"in use by process {os.getpid()}"):
+            with hold_run_lock(tmp_path):
+                pass
+    assert not lock.exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import json
+    import socket
+
+    lock.write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    with hold_run_lock(tmp_path):
+        pass
+    assert "stale lock" in capsys.readouterr().out
+
+
+@dataclasses.dataclass
+class _Inner:
+    rate: float = 0.1
+    """EMA rate."""
+
+
+@dataclasses.dataclass
+class _Outer:
+    name: str = "x"
+    """Job name."""
+    steps: int = 3
+    """Optimizer steps."""
+    keys: list[str] = dataclasses.field(default_factory=lambda: ["a"])
+    """Keys."""
+    ema: _Inner = dataclasses.field(default_factory=_Inner)
+    """The EMA table."""
+
+
+def test_typed_config_is_strict_and_documented():
+    cfg = cc.from_mapping(_Outer, {"steps": 5, "ema": {"rate": 1}})
+    assert cfg.steps == 5 and cfg.ema.rate == 1.0 and isinstance(cfg.ema.rate, float) and cfg.keys == ["a"]
+    with pytest.raises(cc.ConfigError, match=r"unknown key\(s\) \['stepz'\]"):
+        cc.from_mapping(_Outer, {"stepz": 5})
+    with pytest.raises(cc.ConfigError, match=r"\[ema\].rate = 'fast' has the wrong type"):
+        cc.from_mapping(_Outer, {"ema": {"rate": "fast"}})
+    with pytest.raises(cc.ConfigError, match="wrong type"):
+        cc.from_mapping(_Outer, {"steps": True})  # a bool is not an int
+    assert cc.field_docs(_Outer)["steps"] == "Optimizer steps."
+    assert set(cc.field_docs(_Outer)) == {f.name for f in dataclasses.fields(_Outer)}
+
+
+def test_atomic_writes_get_the_mode_a_plain_open_would(tmp_path):
+    from patches.core.io import atomic_write_text
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    made = atomic_write_text(tmp_path / "atomic.txt", "x")
+    assert made.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+
+
+def test_optional_fields_both_spellings_make_flags_and_load():
+    import argparse
+
+    @dataclasses.dataclass
+    class Flags:
+        port: int | None = None
+        """Port."""
+        batch: "int | None" = 4
+        """Batch."""
+        names: list[str] | None = None
+        """Names."""
+        deterministic: bool = False
+        """Deterministic mode."""
+
+    ap = argparse.ArgumentParser()
+    cc.add_arguments(ap, Flags)
+    got = cc.from_namespace(Flags, ap.parse_args(["--port", "7", "--names", "a", "b", "--deterministic"]))
+    assert got == Flags(port=7, batch=4, names=["a", "b"], deterministic=True)
+    assert cc.from_mapping(Flags, {"port": None, "batch": 3}).batch == 3
+    with pytest.raises(cc.ConfigError, match="wrong type"):
+        cc.from_mapping(Flags, {"port": "x"})

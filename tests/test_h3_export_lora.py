@@ -1,0 +1,163 @@
+"""``miles_ext.export_lora``: the adapter directory loads onto the base model with PEFT and with diffusers, and
+gives the trained model's forward; bad input fails cleanly and writes nothing; the README's loading snippet
+(:data:`README_SNIPPET`) runs as written on the adapter of a tiny trainer run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_ext import export_lora
+from miles_ext.h3_inputs import build_h3_inputs
+from miles_ext.lora import H3_LORA_TARGETS, attach_lora, lora_parameters
+from miles_ext.presets import build_transformer, get_preset
+from patches.core.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+RANK, ALPHA = 4, 8.0
+
+README_SNIPPET = """\
+from diffusers import MiniMaxH3Transformer3DModel
+from peft import PeftModel
+from miles_ext.presets import get_preset
+
+config = get_preset("tiny").transformer_kwargs()  # your weights: MiniMaxH3Transformer3DModel.from_pretrained(...)
+
+# PEFT: a PeftModel wrapping the base model
+peft_model = PeftModel.from_pretrained(MiniMaxH3Transformer3DModel(**config), "my_adapter")
+
+# diffusers: the adapter injected into the model itself
+model = MiniMaxH3Transformer3DModel(**config)
+model.load_lora_adapter("my_adapter", weight_name="pytorch_lora_weights.safetensors")
+"""
+"""How to load an exported adapter (README, "Loading the exported adapter"), run verbatim by
+:func:`test_readme_snippet_loads_a_trained_adapter` in a folder holding ``my_adapter``."""
+
+
+def base_model():
+    torch.manual_seed(0)
+    return build_transformer(get_preset("tiny")).eval()
+
+
+def forward(model):
+    g = torch.Generator().manual_seed(3)
+    kwargs, pick = build_h3_inputs(torch.randn(5, 384, generator=g), torch.randn(24, 2, 4, 4, generator=g),
+                                   torch.randn(2, 32, 3, generator=g), 0.4)
+    with torch.no_grad():
+        return pick(model(**kwargs))
+
+
+@pytest.fixture()
+def trained(tmp_path):
+    model = attach_lora(base_model(), rank=RANK, alpha=ALPHA)
+    with torch.no_grad():  # "training": move every adapter away from its init (B = 0 would hide bugs)
+        g = torch.Generator().manual_seed(1)
+        for p in lora_parameters(model).values():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    ckpt = tmp_path / "iter_000000003.pt"
+    torch.save({"lora": {k: v.detach().clone() for k, v in lora_parameters(model).items()},
+                "lora_meta": {"rank": RANK, "alpha": ALPHA, "target_modules": list(H3_LORA_TARGETS),
+                              "base_model_class": "MiniMaxH3Transformer3DModel"}}, ckpt)
+    return model, ckpt
+
+
+def test_export_then_peft_load_reproduces_the_trained_forward(trained, tmp_path):
+    from peft import PeftModel
+
+    model, ckpt = trained
+    report = export_lora.export(ckpt, tmp_path / "adapter", comfyui=True)
+    assert report["tensors"] == len(lora_parameters(model))
+    cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA and set(cfg["target_modules"]) == set(H3_LORA_TARGETS)
+    assert cfg["auto_mapping"]["base_model_class"] == "MiniMaxH3Transformer3DModel"
+    loaded = PeftModel.from_pretrained(base_model(), str(tmp_path / "adapter")).eval()
+    want, got = forward(model), forward(loaded)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert not torch.equal(forward(base_model())[0], want[0])  # the adapters do change the output
+
+
+def test_export_then_diffusers_load_lora_adapter(trained, tmp_path):
+    model, ckpt = trained
+    export_lora.export(ckpt, tmp_path / "adapter")
+    base = base_model()
+    base.load_lora_adapter(str(tmp_path / "adapter"), weight_name="pytorch_lora_weights.safetensors",
+                           prefix="transformer")
+    want, got = forward(model), forward(base.eval())
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(want, got))
+
+
+def test_comfyui_keys(trained, tmp_path):
+    from safetensors.torch import load_file
+
+    _, ckpt = trained
+    export_lora.export(ckpt, tmp_path / "adapter", comfyui=True)
+    keys = load_file(str(tmp_path / "adapter" / "lora_comfyui.safetensors"))
+    assert any(k.startswith("diffusion_model.") and k.endswith(".lora_down.weight") for k in keys)
+    assert any(k.endswith(".alpha") for k in keys)
+
+
+def test_checkpoint_without_lora_is_one_error_and_nothing_written(tmp_path, capsys):
+    bad = tmp_path / "full.pt"
+    torch.save({"model": {"w": torch.zeros(2)}}, bad)
+    assert export_lora.main([str(bad), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no LoRA tensors" in err[0]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+    assert export_lora.main([str(tmp_path / "missing.pt"), str(tmp_path / "out")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_export_error_is_a_user_error():
+    assert issubclass(export_lora.ExportError, UserError)
+
+
+def test_readme_snippet_loads_a_trained_adapter(tmp_path, monkeypatch, capfd):
+    """A tiny launcher run, the README's export command, then :data:`README_SNIPPET` exactly as written: it
+    prints and warns nothing, both loaders hold the checkpoint's LoRA tensors, and on the same base they give
+    the same forward, which the adapter changes."""
+    from cosmos_framework_ext.data import prepare_sample_dataset
+    from cosmos_framework_ext.presets import get_preset as cosmos_preset
+
+    data = prepare_sample_dataset(tmp_path / "data", cosmos_preset("edge"))
+    rows = data / "train" / "video_dataset_file.jsonl"  # the DATASET_PATH layout
+    rows.write_text("".join(rows.read_text().splitlines(keepends=True)[:2]))  # two clips: a quick run
+    env = dict(os.environ, OUTPUT_ROOT=str(tmp_path / "outputs"), DATASET_PATH=str(data), PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("MILES_DIFFUSION_ROOT", None)
+    r = subprocess.run(["bash", str(REPO / "launchers" / "sft_h3_t2va_1gpu.sh"), "--rollout-batch-size", "8",
+                        "--num-steps-per-rollout", "1"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = "outputs/h3_t2va_sft/checkpoints/iter_000000001.pt"
+    ex = subprocess.run([sys.executable, "-m", "miles_ext.export_lora", ckpt, "my_adapter"], env=env, cwd=tmp_path,
+                        capture_output=True, text=True, timeout=300)
+    assert ex.returncode == 0 and "exported 36 LoRA tensors (rank 64, alpha 128" in ex.stdout, ex.stderr
+    capfd.readouterr()
+
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(README_SNIPPET, "README_SNIPPET", "exec"), ns)
+    out, err = capfd.readouterr()
+    assert out == "" and err == "" and not caught, (out, err, [str(w.message) for w in caught])
+
+    trained = torch.load(tmp_path / ckpt, weights_only=False)["lora"]
+    peft_model, model = ns["peft_model"], ns["model"]
+    via_peft = {k.removeprefix("base_model.model."): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
+    via_diffusers = {k.replace(".default_0.", ".default."): v for k, v in model.state_dict().items() if ".lora_" in k}
+    for got in (via_peft, via_diffusers):
+        assert got.keys() == trained.keys() and all(torch.equal(got[k], trained[k]) for k in trained)
+    base = {k: v for k, v in peft_model.get_base_model().state_dict().items() if ".lora_" not in k}
+    assert not model.load_state_dict(base, strict=False).unexpected_keys  # the same base under both adapters
+    want = forward(peft_model.eval())
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(want, forward(model.eval())))
+    with peft_model.disable_adapter():
+        assert not torch.allclose(forward(peft_model)[0], want[0])  # the trained adapter changes the output
