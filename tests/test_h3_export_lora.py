@@ -161,3 +161,9 @@ def test_readme_snippet_loads_a_trained_adapter(tmp_path, monkeypatch, capfd):
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(want, forward(model.eval())))
     with peft_model.disable_adapter():
         assert not torch.allclose(forward(peft_model)[0], want[0])  # the trained adapter changes the output
+
+
+def test_readme_shows_the_tested_snippet_verbatim():
+    """The adapter-loading code in README is the text the test above executes, not a paraphrase."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert README_SNIPPET.strip() in readme

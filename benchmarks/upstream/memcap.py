@@ -11,7 +11,8 @@ init. So, before MODULE runs:
 * with ``ONECARD_GPU_MEMORY_GIB`` set (e.g. ``22.06``, a 24 GB card's usable memory), the rank's device
   (``LOCAL_RANK``) is capped with ``torch.cuda.set_per_process_memory_fraction``: the caching allocator
   then fails with an out-of-memory error where a card that size would;
-* at exit, one line reports the rank's peak allocated and reserved memory (``torch.cuda.max_memory_*``).
+* at exit, one line reports the rank's peak allocated and reserved memory (``torch.cuda.max_memory_*``);
+* ``wandb.util.generate_id`` is supplied when the installed wandb lacks it (see :func:`_wandb_compat`).
 
 MODULE then runs as ``python -m`` would run it (``sys.path[0]`` is the working directory).
 """
@@ -63,6 +64,21 @@ def _cap_and_report(rank: str) -> None:
     atexit.register(report)
 
 
+def _wandb_compat() -> None:
+    """Upstream calls ``wandb.util.generate_id()`` at train start even with ``wandb_mode=disabled``; wandb
+    0.31 (the version that imports beside protobuf 7) no longer has it. Supply an equivalent random id."""
+    try:
+        import wandb.util
+    except ImportError:
+        return
+    if not hasattr(wandb.util, "generate_id"):
+        import secrets
+        import string
+
+        alphabet = string.ascii_lowercase + string.digits
+        wandb.util.generate_id = lambda length=8: "".join(secrets.choice(alphabet) for _ in range(length))
+
+
 def main(argv: list[str]) -> None:
     args = list(argv)
     while args and args[0] == "-u":  # torchrun's unbuffered flag; the launcher exports PYTHONUNBUFFERED=1
@@ -72,6 +88,7 @@ def main(argv: list[str]) -> None:
         sys.exit(2)
     module, rest = args[1], args[2:]
     _cap_and_report(os.environ.get("RANK", "0"))
+    _wandb_compat()
     sys.path[0] = os.getcwd()
     sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
