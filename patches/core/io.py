@@ -29,42 +29,38 @@ _MODE = _umask_mode()  # read once, at import: changing the umask is process-wid
 
 
 @contextlib.contextmanager
+def _temp_beside(path: Path) -> Iterator[Path]:
+    """A fresh temporary path in ``path``'s folder; renamed onto ``path`` on a clean exit, else removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, _MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_open(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
     """Open a temporary file next to ``path``; on a clean exit fsync it and rename it onto ``path``.
 
     Creates the parent folder. ``mode`` is ``"w"`` or ``"wb"`` (plus ``open``'s keyword arguments).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **kw) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, _MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with _temp_beside(Path(path)) as tmp, open(tmp, mode, **kw) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     """Call ``write(tmp_path)`` (a writer that takes a path, like ``torch.save``), then rename onto ``path``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}{TMP_MARK}", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, _MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return path
+    with _temp_beside(Path(path)) as tmp:
+        write(tmp)
+    return Path(path)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

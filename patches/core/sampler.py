@@ -72,7 +72,6 @@ import contextlib
 import csv
 import math
 import os
-import tempfile
 import threading
 import time
 import warnings
@@ -80,6 +79,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from .io import atomic_open
 
 __all__ = ["MemorySampler", "COLUMNS", "IDLE"]
 
@@ -527,7 +528,7 @@ class MemorySampler:
             transitions = list(self.transitions)
         paths: dict[str, Path] = {}
         csv_path = out_dir / f"{stem}.csv"
-        with _atomic(csv_path, "w", newline="") as f:
+        with atomic_open(csv_path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(COLUMNS)
             for r in rows:
@@ -540,7 +541,7 @@ class MemorySampler:
             return paths
         png_path = out_dir / f"{stem}.png"
         fig = self._figure(rows, transitions)
-        with _atomic(png_path, "wb") as f:
+        with atomic_open(png_path, "wb") as f:
             fig.savefig(f, format="png", dpi=110)
         paths["png"] = png_path
         return paths
@@ -602,19 +603,3 @@ class MemorySampler:
                      f"peak host RSS {rss:.2f} GiB, {len(rows)} samples every {self.interval_s:g} s)", fontsize=10)
         fig.tight_layout()
         return fig
-
-
-@contextlib.contextmanager
-def _atomic(path: Path, mode: str, **kw: Any):
-    """Open a temp file next to ``path``; on success fsync and rename it onto ``path``, else remove it."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **kw) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
