@@ -13,7 +13,8 @@ access and drops the caption with probability ``cfg_dropout`` (classifier-free g
 Token accounting per sample (upstream):
 
 * understanding tokens ``und = len(text_ids) + 1`` (EOS); ``text_ids`` tokenises the caption plus a
-  duration/fps/resolution suffix (:func:`caption_with_suffix`), truncated to ``max_caption_tokens``;
+  duration/fps/resolution suffix (:func:`caption_with_suffix`) in at most ``max_caption_tokens``: a longer
+  caption is cut so that the suffix is kept whole (:meth:`SampleSource.truncated_captions` counts them);
 * generation tokens per media item ``gen = ceil(H/32) * ceil(W/32) * (1 + (T-1)//4) + 2``
   (16x spatial VAE downsampling, 2x2 latent patches, 4x temporal downsampling, vision start/end).
 
@@ -58,6 +59,8 @@ __all__ = [
     "DEFAULT_CLIP_CACHE",
     "load_records",
     "caption_with_suffix",
+    "caption_suffix",
+    "check_videos_decode",
     "target_size",
     "tokens_per_sample",
     "decode_window",
@@ -207,6 +210,57 @@ def _parse_row(obj: Any, index: int, line: int, jsonl: Path, train_dir: Path,
     )
 
 
+def _layout_hint(dataset_path: Path) -> str:
+    """``"; it is one folder too deep: use X"`` (or too shallow) when the JSONL sits one level off."""
+    if (dataset_path / JSONL_RELPATH.name).is_file():
+        return f"; {dataset_path} is one folder too deep (it holds {JSONL_RELPATH.name} itself): use {dataset_path.parent}"
+    below = sorted(p.parent.parent for p in dataset_path.glob(f"*/{JSONL_RELPATH}"))
+    if below:
+        return f"; {dataset_path} is one folder too shallow: use {below[0]}"
+    return ""
+
+
+def check_videos_decode(records: Sequence[SampleRecord]) -> int:
+    """Open every video the rows reference and decode its first frame and the last frame a window needs.
+
+    The cheap form of "every window decodes": a file cut short (a copy that stopped, a full disk) opens and
+    may even decode its first frame, but not the frame its container promises at the end. Returns the number
+    of videos checked.
+
+    Raises:
+        DatasetError: a video cannot be opened, or its first or last needed frame does not decode; the message
+            names the file and the row that needs the frame.
+    """
+    import av
+
+    last: dict[Path, tuple[int, SampleRecord]] = {}
+    for rec in records:
+        end = max(start + n for start, n in rec.windows) - 1
+        if rec.video_path not in last or end > last[rec.video_path][0]:
+            last[rec.video_path] = (end, rec)
+    for path, (frame, rec) in last.items():
+        where = f"{path} (row {rec.line} needs frame {frame})"
+        try:
+            with av.open(str(path)) as container:
+                stream = container.streams.video[0]
+                next(container.decode(stream))
+                rate = stream.average_rate or stream.guessed_rate
+                if frame > 0 and rate and stream.time_base:
+                    start = stream.start_time or 0
+                    target = start + int((frame - 0.5) / float(rate) / float(stream.time_base))
+                    container.seek(target, stream=stream, backward=True, any_frame=False)
+                    if not any(f.pts is not None and f.pts >= target for f in container.decode(stream)):
+                        raise DatasetError(f"{where}: the video ends before that frame; the file is truncated or "
+                                           "its windows run past its end - re-export it, or fix its rows' windows")
+        except DatasetError:
+            raise
+        except (av.error.FFmpegError, OSError, ValueError, IndexError, StopIteration) as exc:
+            msg = " ".join(str(exc).split()) or type(exc).__name__
+            raise DatasetError(f"{where}: does not decode ({msg}); the file is truncated or corrupt - re-export "
+                               "it as H.264 mp4 or remove its rows from the JSONL") from exc
+    return len(last)
+
+
 def load_records(dataset_path: Path, max_frames: int | None = None) -> list[SampleRecord]:
     """Read and validate ``dataset_path/train/video_dataset_file.jsonl``.
 
@@ -226,12 +280,13 @@ def load_records(dataset_path: Path, max_frames: int | None = None) -> list[Samp
     dataset_path = Path(dataset_path)
     if not dataset_path.is_dir():
         raise DatasetError(
-            f"DATASET_PATH {dataset_path} does not exist or is not a folder; point it at a folder holding "
-            f"{JSONL_RELPATH} (or omit --dataset to build the sample dataset)"
+            f"dataset folder {dataset_path} does not exist or is not a folder; point DATASET_PATH (the planner's "
+            f"--dataset) at a folder holding {JSONL_RELPATH}, or leave it unset for the sample dataset"
         )
     jsonl = dataset_path / JSONL_RELPATH
     if not jsonl.is_file():
-        raise DatasetError(f"{jsonl} is missing; DATASET_PATH must hold {JSONL_RELPATH} with one JSON row per sample")
+        raise DatasetError(f"{jsonl} is missing; DATASET_PATH must hold {JSONL_RELPATH} with one JSON row per "
+                           f"sample{_layout_hint(dataset_path)}")
     train_dir = jsonl.parent
     records: list[SampleRecord] = []
     frame_counts: dict[Path, int] = {}
@@ -340,15 +395,22 @@ class CaptionTokenizer:
         return self._tok.get_vocab_size()
 
 
-def caption_with_suffix(record: SampleRecord, window: Window, size: Size) -> str:
-    """Caption followed by the upstream-style metadata suffix.
+def caption_suffix(record: SampleRecord, window: Window, size: Size) -> str:
+    """The upstream-style metadata suffix, e.g. ``"Duration: 1.32 s, 25 fps, 320x192."``.
 
-    Example: ``"A cyclist waits. Duration: 1.32 s, 25 fps, 320x192."`` for a 33-frame window at 25 fps
-    resized to 320x192. Duration = ``num_frames / fps`` seconds (2 decimals); fps is printed with up to
-    2 decimals (29.97). An empty caption (CFG dropout) yields the suffix alone, without leading space.
+    Duration = ``num_frames / fps`` seconds (2 decimals); fps is printed with up to 2 decimals (29.97).
     """
     _, num_frames = window
-    suffix = f"Duration: {num_frames / record.fps:.2f} s, {round(record.fps, 2):g} fps, {size[0]}x{size[1]}."
+    return f"Duration: {num_frames / record.fps:.2f} s, {round(record.fps, 2):g} fps, {size[0]}x{size[1]}."
+
+
+def caption_with_suffix(record: SampleRecord, window: Window, size: Size) -> str:
+    """Caption followed by the upstream-style metadata suffix (:func:`caption_suffix`).
+
+    Example: ``"A cyclist waits. Duration: 1.32 s, 25 fps, 320x192."`` for a 33-frame window at 25 fps
+    resized to 320x192. An empty caption (CFG dropout) yields the suffix alone, without leading space.
+    """
+    suffix = caption_suffix(record, window, size)
     caption = record.caption.strip()
     return f"{caption} {suffix}" if caption else suffix
 
@@ -553,8 +615,9 @@ class SftSample:
         record_index: row index of the :class:`SampleRecord`.
         record: the row itself (``record.fps``, ``record.video_path``, ...).
         window: ``(start_frame, num_frames)`` picked for this access.
-        text: text that was tokenised (caption + suffix, or the suffix alone after CFG dropout).
-        text_ids: token ids of ``text`` (no EOS), truncated to ``max_caption_tokens``.
+        text: text that was tokenised (caption + suffix, or the suffix alone after CFG dropout), before truncation.
+        text_ids: token ids of ``text`` (no EOS) in at most ``max_caption_tokens``: a longer caption is cut,
+            the suffix kept whole.
         caption_dropped: whether CFG dropout removed the caption.
         size: ``(W, H)`` in pixels the video is resized to.
         und_tokens: ``len(text_ids) + 1``.
@@ -615,7 +678,7 @@ class SampleSource:
         records: dataset rows.
         tokenizer: caption tokenizer.
         preset: gives the resolution buckets.
-        max_caption_tokens: truncation length of the text ids.
+        max_caption_tokens: most text ids per sample; a longer caption is cut so the suffix stays whole.
         seed: non-negative base seed.
         cfg_dropout: probability in ``[0, 1]`` of dropping the caption (the suffix stays).
         window_policy: ``"random"`` (uniform over the row's windows, upstream training) or ``"max"``
@@ -651,7 +714,7 @@ class SampleSource:
         self.cfg_dropout = cfg_dropout
         self.window_policy: WindowPolicy = window_policy
         self._sizes = [target_size(r.width, r.height, preset) for r in self.records]
-        self._text_cache: dict[tuple[int, int, bool], tuple[str, list[int]]] = {}
+        self._text_cache: dict[tuple[int, int, bool], tuple[str, list[int], bool]] = {}
 
     def __len__(self) -> int:
         return len(self.records)
@@ -661,14 +724,31 @@ class SampleSource:
         return self._sizes[i]
 
     def _text(self, i: int, w: int, dropped: bool) -> tuple[str, list[int]]:
+        return self._tokens(i, w, dropped)[:2]
+
+    def _tokens(self, i: int, w: int, dropped: bool) -> tuple[str, list[int], bool]:
+        """``(text, ids, caption_cut)``: the caption's ids cut to leave room for the whole suffix's.
+
+        WordPiece splits at whitespace first, so caption ids + suffix ids are the ids of ``text`` itself
+        whenever nothing is cut.
+        """
         key = (i, w, dropped)
         if key not in self._text_cache:
             rec = self.records[i]
             if dropped:
                 rec = dataclasses.replace(rec, caption="")
             text = caption_with_suffix(rec, rec.windows[w], self._sizes[i])
-            self._text_cache[key] = (text, self.tokenizer.encode(text, self.max_caption_tokens))
+            cap = self.max_caption_tokens
+            suffix = self.tokenizer.encode(caption_suffix(rec, rec.windows[w], self._sizes[i]), cap)
+            caption = rec.caption.strip()
+            caption_ids = self.tokenizer.encode(caption, 1 << 30) if caption else []
+            room = max(cap - len(suffix), 0)
+            self._text_cache[key] = (text, caption_ids[:room] + suffix, len(caption_ids) > room)
         return self._text_cache[key]
+
+    def truncated_captions(self) -> int:
+        """Rows whose caption (not dropped) is cut for at least one of their windows to fit ``max_caption_tokens``."""
+        return sum(any(self._tokens(i, w, False)[2] for w in range(len(r.windows))) for i, r in enumerate(self.records))
 
     def _count(self, i: int, w: int, dropped: bool) -> tuple[int, int]:
         num_ids = len(self._text(i, w, dropped)[1])

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from patches.core.host_arena import HostArena
-from patches.core.runtime import to_local
+from patches.core.runtime import as_dtensor, shard_of, to_local
 
 _STRIP = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -332,7 +332,9 @@ class EMA:
         self.model = model
         self.names = names
         self.canonical = [canonical_name(n) for n in names]
-        self._meta = [(getattr(params[n], "device_mesh", None), getattr(params[n], "placements", None)) for n in names]
+        # (mesh, placements, global shape, global stride) of each tracked parameter: a shard's place in the whole
+        self._meta = [(getattr(params[n], "device_mesh", None), getattr(params[n], "placements", None),
+                       tuple(params[n].shape), tuple(params[n].stride())) for n in names]
         self._impl = placement(self._sources(), pin=pin, chunk_numel=chunk_numel)
         self.placement = placement.name
         self.num_updates = 0
@@ -441,12 +443,10 @@ class EMA:
         for k, v in self.model.state_dict().items():
             ck = canonical_name(k)
             if ck in ema:
-                buf, (mesh, placements) = ema[ck]
+                buf, (mesh, placements, shape, stride) = ema[ck]
                 if full and mesh is not None:
-                    from torch.distributed.tensor import DTensor
-
-                    dev = torch.device(mesh.device_type)
-                    out[ck] = DTensor.from_local(buf.to(dev), mesh, placements).full_tensor().cpu()
+                    # the global shape and stride, so uneven shards (7 rows on 2 ranks, 1 row on 2) gather right
+                    out[ck] = as_dtensor(buf, mesh, placements, shape, stride).full_tensor().cpu()
                 else:
                     out[ck] = buf.detach().to("cpu", torch.float32, copy=True)
             else:
@@ -461,11 +461,14 @@ class EMA:
         """Restore the counter and the shadow (by canonical name); returns how many tracked tensors were loaded.
 
         Shadow keys may carry ``_orig_mod.`` etc. Entries for untracked keys are ignored (they are ``net``
-        by definition); nothing is ever written into the model. Full (unsharded) tensors are sliced to this
-        rank's shard when the shapes differ.
+        by definition); nothing is ever written into the model. An entry may be this rank's shard (what
+        :meth:`state_dict` gives) or the full tensor (what :meth:`full_state_dict` gives); a full tensor is
+        sliced to this rank's shard locally (:func:`patches.core.runtime.shard_of`), with no collective, so a
+        rank whose shard is empty or already whole does what the others do.
 
         Raises:
-            ValueError: ``state`` is not ``{"num_updates": ..., "shadow": {...}}``.
+            ValueError: ``state`` is not ``{"num_updates": ..., "shadow": {...}}``, or an entry is neither the
+                full tensor nor this rank's shard.
         """
         if not isinstance(state, dict) or "num_updates" not in state or "shadow" not in state:
             raise ValueError("EMA.load_state_dict needs {'num_updates': int, 'shadow': {key: tensor}} "
@@ -473,15 +476,16 @@ class EMA:
         self.synchronize()
         by_canon = {canonical_name(k): v for k, v in state["shadow"].items()}
         n = 0
-        for ck, buf, (mesh, placements) in zip(self.canonical, self.shadow, self._meta):
+        for ck, buf, (mesh, placements, shape, _) in zip(self.canonical, self.shadow, self._meta):
             v = by_canon.get(ck)
             if v is None:
                 continue
             v = to_local(v)
-            if v.shape != buf.shape and mesh is not None:
-                from torch.distributed.tensor import distribute_tensor
-
-                v = distribute_tensor(v.to(mesh.device_type), mesh, placements).to_local()
+            if tuple(v.shape) == shape:  # the full tensor: this rank's slice of it (the tensor itself unsharded)
+                v = shard_of(v, mesh, placements)
+            elif v.shape != buf.shape:
+                raise ValueError(f"EMA entry {ck} has shape {tuple(v.shape)}; expected the full {shape} or this "
+                                 f"rank's shard {tuple(buf.shape)}")
             buf.copy_(v)
             n += 1
         self.num_updates = int(state["num_updates"])

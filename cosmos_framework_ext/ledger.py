@@ -68,6 +68,7 @@ def cosmos_ledger(
     world_size: int = 1,
     device_type: str = "cuda",
     cap: int | None = None,
+    grad_accum_iter: int | None = None,
 ) -> Ledger:
     """The ledger of one rank of the Cosmos3-Edge recipe.
 
@@ -78,6 +79,7 @@ def cosmos_ledger(
         world_size: ranks; FSDP2 shards weights, gradients and optimizer state evenly.
         device_type: ``cuda`` (bf16 parameters when the TOML says bfloat16) or ``cpu`` (fp32).
         cap: packing cap to size activations for (default: the TOML's ``max_sequence_length``).
+        grad_accum_iter: shown in the title (default: the TOML's; the CPU smoke run replaces it).
 
     Raises:
         ValueError: unknown preset, or ``keys_to_select`` empty / matching nothing.
@@ -122,7 +124,7 @@ def cosmos_ledger(
     items.append(Item("host process baseline", 0, HOST_BASELINE, note="torch + CUDA libraries + clip cache (measured)"))
     outside = [Item("CUDA context", CUDA_CONTEXT if device_type == "cuda" else 0, note="outside the allocator budget")]
     levers = ", ".join(f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD) if flags.get(f.name)) or "no levers"
-    title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {cfg.trainer.grad_accum_iter}, "
+    title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {grad_accum_iter or cfg.trainer.grad_accum_iter}, "
              f"EMA {'on' if ema_on else 'off'}, {levers}, {world_size} rank(s), {device_type}")
     return Ledger(title, items, outside)
 

@@ -9,11 +9,14 @@ strict fit rule, ``loss / grad_accum_iter``, AdamW (betas 0.9/0.95, eps 1e-6), w
 0.1 with ``force_finite``, power EMA updated after the optimizer step, bf16 compute with activation
 checkpointing. Random init unless ``[checkpoint].load_path`` names a diffusers-format checkpoint.
 
-The recipe is :class:`CosmosSFT`, run by the shared skeleton :func:`patches.core.trainer.run` (build ->
-levers -> resume -> loop -> summary); checkpoints are :class:`patches.core.checkpoint.CheckpointManager`'s
-(``checkpoints/iter_<9 digits>.pt`` + ``latest_checkpoint.txt``), each holding upstream's layout:
-``model`` with ``net.<k>`` and ``net_ema.<k>`` for every net key, plus the optimizer, the scheduler, the
-iteration, the micro-batches consumed and the EMA's update counter.
+The recipe is :class:`CosmosSFT`, run by the shared skeleton :func:`patches.core.trainer.run` (preflight ->
+lock -> build -> levers -> resume -> loop -> summary); checkpoints are
+:class:`patches.core.checkpoint.CheckpointManager`'s (``checkpoints/iter_<9 digits>.pt`` +
+``latest_checkpoint.txt``), each holding upstream's layout: ``model`` with ``net.<k>`` and ``net_ema.<k>`` for
+every net key as full tensors at any world size (gathered on every rank, written by rank 0), plus the
+optimizer (keyed by parameter name), the scheduler, the iteration, the micro-batches consumed, the EMA's
+update counter and the training settings (:meth:`CosmosSFT.training_settings`; a resume with other values
+is refused, except ``max_iter`` and ``save_iter``).
 
 Environment: ``DATASET_PATH``, ``BASE_CHECKPOINT_PATH``, ``WAN_VAE_PATH``, ``OUTPUT_ROOT`` (as upstream's
 launchers), ``COSMOS_EMA_CPU_SUBSET`` and ``COSMOS_VAE_CPU_OFFLOAD`` (the levers), ``ONECARD_DATA_CACHE``
@@ -28,6 +31,7 @@ import argparse
 import collections
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -39,8 +43,9 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from patches.core import flags as flagmod
+from patches.core import preflight as pf
 from patches.core import trainer as skeleton
-from patches.core.checkpoint import CheckpointManager
+from patches.core.checkpoint import CheckpointManager, gather_full_state, load_full_state
 from patches.core.errors import UserError, cli
 from patches.core.host_arena import pinned_bytes_total
 from patches.core.runtime import GiB, host_rss, median, rank_world
@@ -117,6 +122,85 @@ def prefetched(batches: Iterable, workers: int = 2, depth: int = 2) -> Iterator:
             yield queue.popleft().result()
 
 
+def _one_line(e: BaseException) -> str:
+    """An exception as one short line (torch's unpickling errors span many)."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:200]
+
+
+def _check_base_checkpoint(load_path: str) -> None:
+    """Read ``BASE_CHECKPOINT_PATH``'s header without loading weights: an onecard ``iter_*.pt`` or a diffusers dir.
+
+    Raises:
+        UserError: a file that is not a torch checkpoint (read with ``weights_only`` and memory-mapped, so
+            nothing is unpickled but tensors) or holds no ``net.*`` tensors; a folder without a
+            ``Cosmos3OmniTransformer`` config.json and weights.
+    """
+    path = Path(load_path)
+    fix = ("set BASE_CHECKPOINT_PATH to a diffusers-format Cosmos3OmniTransformer directory or an onecard "
+           "iter_*.pt, or unset it for random init")
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"BASE_CHECKPOINT_PATH={path} has no readable config.json ({_one_line(e)}): {fix}") from None
+        name = config.get("_class_name", "Cosmos3OmniTransformer") if isinstance(config, dict) else "?"
+        if name != "Cosmos3OmniTransformer":
+            raise UserError(f"BASE_CHECKPOINT_PATH={path} holds a {name}, not a Cosmos3OmniTransformer: {fix}")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise UserError(f"BASE_CHECKPOINT_PATH={path} has a config.json but no *.safetensors or *.bin weights: {fix}")
+        return
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - any reader error: not a checkpoint we can read
+        raise UserError(f"BASE_CHECKPOINT_PATH={path} is not a readable torch checkpoint ({_one_line(e)}): {fix}") from None
+    model = blob.get("model") if isinstance(blob, dict) else None
+    if not isinstance(model, dict) or not any(str(k).startswith("net.") for k in model):
+        raise UserError(f"BASE_CHECKPOINT_PATH={path} holds no net.* tensors: {fix}")
+
+
+_VAE_STATS = ("latents_mean", "latents_std")
+
+
+def _check_vae_dir(vae_path: str, preset) -> dict[str, Any]:
+    """``WAN_VAE_PATH``'s config.json against the preset's architecture; returns the config.
+
+    Its ``latents_mean``/``latents_std`` may differ from the preset's (they are the VAE's own and are used);
+    everything else must match, because the weights are loaded into the preset's architecture.
+
+    Raises:
+        UserError: not a folder, no readable config.json, another class, an architecture key that differs, or
+            statistics of the wrong length.
+    """
+    path = Path(vae_path)
+    if not path.is_dir():
+        raise UserError(
+            f"WAN_VAE_PATH={path} is a file: the embedded trainer reads diffusers-format directories "
+            "(config.json + weights); upstream's Wan2.2_VAE.pth is read by the upstream trainer only"
+        )
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"WAN_VAE_PATH={path} has no readable config.json ({_one_line(e)}): point it at a "
+                        "diffusers-format AutoencoderKLWan directory") from None
+    name = config.get("_class_name", "AutoencoderKLWan")
+    if name != "AutoencoderKLWan":
+        raise UserError(f"WAN_VAE_PATH={path} holds a {name}, not an AutoencoderKLWan (Wan2.2)")
+
+    def norm(v: Any) -> Any:
+        return [norm(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+    differ = [f"{k} {config.get(k)!r} (preset {preset.name!r}: {v!r})" for k, v in preset.vae.items()
+              if k not in _VAE_STATS and norm(config.get(k)) != norm(v)]
+    if differ:
+        raise UserError(f"WAN_VAE_PATH={path} is not the preset's VAE architecture: {'; '.join(differ[:3])}; use "
+                        f"the Wan2.2 VAE of preset {preset.name!r}, or unset WAN_VAE_PATH")
+    z = preset.vae["z_dim"]
+    for k in _VAE_STATS:
+        if not (isinstance(config.get(k), list) and len(config[k]) == z):
+            raise UserError(f"WAN_VAE_PATH={path}: config.json {k} must list {z} numbers (one per latent channel)")
+    return config
+
+
 def _load_base(model: torch.nn.Module, load_path: str, skip: list[str], dtype: torch.dtype) -> str:
     """Load base weights (diffusers directory or onecard ``iter_*.pt``) into ``model``; returns a note."""
     path = Path(load_path)
@@ -146,7 +230,12 @@ def _load_base(model: torch.nn.Module, load_path: str, skip: list[str], dtype: t
 
 
 def _load_vae_weights(vae: torch.nn.Module, vae_path: str) -> str:
-    """Load a diffusers-format ``AutoencoderKLWan`` directory into ``vae``; returns a note."""
+    """Load a diffusers-format ``AutoencoderKLWan`` directory into ``vae``, with its own latent statistics.
+
+    The weights go into ``vae`` (the preset's architecture, already checked against the directory's config
+    by :func:`_check_vae_dir`) and so do the config's ``latents_mean``/``latents_std``, which
+    :func:`~cosmos_framework_ext.vae_offload.encode_latents` normalises with. Returns a note.
+    """
     path = Path(vae_path)
     if not path.exists():
         raise UserError(
@@ -162,10 +251,25 @@ def _load_vae_weights(vae: torch.nn.Module, vae_path: str) -> str:
 
     try:
         loaded = AutoencoderKLWan.from_pretrained(path)
+        vae.load_state_dict(loaded.state_dict())
     except Exception as e:  # noqa: BLE001
-        raise UserError(f"cannot load {path} as a diffusers AutoencoderKLWan: {e}") from None
-    vae.load_state_dict(loaded.state_dict())
-    return f"VAE weights from {path}"
+        raise UserError(f"cannot load {path} as the preset's diffusers AutoencoderKLWan: {_one_line(e)}") from None
+    own = {k: [float(x) for x in loaded.config[k]] for k in _VAE_STATS}
+    changed = [k for k in _VAE_STATS if own[k] != [float(x) for x in vae.config[k]]]
+    vae.register_to_config(**own)
+    return (f"VAE weights and latents_mean/latents_std from {path}"
+            + (f" (its {' and '.join(changed)} differ from the preset's)" if changed else ""))
+
+
+def _launch_world() -> int:
+    """The world size the launcher's torchrun will start: ``NPROC_PER_NODE`` x ``NNODES`` (default 1 x 1)."""
+    world = 1
+    for var in ("NPROC_PER_NODE", "NNODES"):
+        raw = os.environ.get(var) or "1"
+        if not raw.isdigit() or int(raw) < 1:
+            raise UserError(f"{var}={raw} is not a whole number >= 1")
+        world *= int(raw)
+    return world
 
 
 def _shard(model: torch.nn.Module, device: torch.device) -> None:
@@ -188,6 +292,7 @@ class CosmosSFT(skeleton.Recipe):
 
     unit = "iteration"
     more_hint = "pass --max-iter N (N > that) to train further"
+    adjustable_settings = frozenset({"[trainer].max_iter", "[checkpoint].save_iter"})
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -197,11 +302,16 @@ class CosmosSFT(skeleton.Recipe):
         self._it: Iterator | None = None
 
     # ------------------------------------------------------------ 1. inputs (also --validate-only)
-    def prepare(self) -> None:
+    def preflight(self) -> None:
         """Read the TOML and flags, pick the device, check everything the user controls, print the ledger.
 
+        Checked, each as one error: the TOML (schema, preset, trainable keys, EMA rate, step counts), the
+        lever flags, ``--max-iter``, every path named, ``OUTPUT_ROOT`` writable (a temporary file made and
+        removed), ``BASE_CHECKPOINT_PATH``'s header, ``WAN_VAE_PATH``'s config, every dataset row, and every
+        video the rows name (its first and last needed frame decode).
+
         Raises:
-            UserError: bad TOML, flag, path or setting (nothing has been written).
+            UserError: bad TOML, flag, path, setting or dataset (nothing has been written).
         """
         self.cfg = cfgmod.load(self.args.sft_toml)
         self.flags = flagmod.read_all()
@@ -209,26 +319,64 @@ class CosmosSFT(skeleton.Recipe):
         self.vae_lever = self.flags[flagmod.VAE_CPU_OFFLOAD.name]
         self.rank, self.world, local_rank = rank_world()
         self.device = _resolve_device(local_rank)
-        if self.world > 1 and not torch.distributed.is_initialized():
+        if self.args.validate_only:  # one process checks for the ranks the launcher's torchrun will start
+            self.world = _launch_world()
+        elif self.world > 1 and not torch.distributed.is_initialized():
             torch.distributed.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.main_rank = self.rank == 0
-        self._check_recipe()
+        precision = self.cfg.model.precision
+        self.dtype = torch.bfloat16 if (self.device.type == "cuda" and precision == "bfloat16") else torch.float32
+        self._check_preset()
         self._check_paths()
         self._resolve_schedule()
+        job = self.cfg.job
+        self.run_dir = Path(os.environ.get("OUTPUT_ROOT") or "outputs/train") / job.project / job.group / job.name
+        pf.check_writable(self.run_dir, "OUTPUT_ROOT")
+        self.checkpoints = CheckpointManager(self.run_dir, write=self.main_rank)
+        if self.cfg.checkpoint.load_path:
+            _check_base_checkpoint(self.cfg.checkpoint.load_path)
+        if self.cfg.model.tokenizer.vae_path:
+            _check_vae_dir(self.cfg.model.tokenizer.vae_path, self.preset)
+        self._load_dataset()
+        self._check_trainable()  # last: the model's names come from building it on the meta device (seconds)
         self._print_plan()
 
-    def _check_recipe(self) -> None:
-        """The preset, the trainable selection and the EMA rate, validated before anything is built."""
+    def _load_dataset(self) -> None:
+        """Every row of ``DATASET_PATH`` (or of the sample dataset, prepared once by rank 0) and every video."""
+        dataset_path = os.environ.get("DATASET_PATH", "")
+        if dataset_path:
+            self.ds_root = Path(dataset_path)
+        else:
+            self.ds_root = datamod.default_sample_dataset_root(self.preset)
+            if self.main_rank:
+                datamod.prepare_sample_dataset(self.ds_root, self.preset)
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+        self.records = datamod.load_records(self.ds_root)
+        if not self.args.videos_checked:  # the launcher's validate step decoded them once for all ranks
+            datamod.check_videos_decode(self.records)
+        jsonl = (self.ds_root / datamod.JSONL_RELPATH).read_bytes()
+        self.dataset_sha = hashlib.sha256(jsonl).hexdigest()[:16]
+
+    def _check_preset(self) -> None:
+        """The preset and the EMA rate (cheap: no model is built)."""
         cfg = self.cfg
         name = cfg.onecard.preset
         if name == "auto":
             name = "edge" if self.device.type == "cuda" else "tiny"
         try:
             self.preset = get_preset(name)
-            names = [n for n, _ in build_transformer(self.preset, device="meta").named_parameters()]
-            self.trainable = select_trainable(names, cfg.optimizer.keys_to_select)
             if cfg.model.ema.enabled:
                 power_ema_gamma(cfg.model.ema.rate)
+        except ValueError as e:
+            raise UserError(f"{cfg.source}: {e}") from None
+
+    def _check_trainable(self) -> None:
+        """``keys_to_select`` against the preset's parameter names (the model built on the meta device)."""
+        cfg = self.cfg
+        try:
+            names = [n for n, _ in build_transformer(self.preset, device="meta").named_parameters()]
+            self.trainable = select_trainable(names, cfg.optimizer.keys_to_select)
         except ValueError as e:
             raise UserError(f"{cfg.source}: {e}") from None
 
@@ -253,13 +401,23 @@ class CosmosSFT(skeleton.Recipe):
             self.cap = oc.cpu_max_sequence_length or self.cap
             self.smoke = (f" (CPU smoke: [onecard] cpu_* values replace the recipe's, cap {self.cap}, "
                           f"grad_accum_iter {self.ga})")
+        pf.check_at_least(self.args.max_iter, 0, "--max-iter", "pass a step count >= 1, or 0 to keep [trainer].max_iter")
         self.max_steps = self.args.max_iter or max_iter
+        src = cfg.source
+        pf.check_at_least(self.max_steps, 1, f"{src}: [trainer].max_iter", "train at least one iteration")
+        pf.check_at_least(self.ga, 1, f"{src}: [trainer].grad_accum_iter (or [onecard].cpu_grad_accum_iter)")
+        pf.check_at_least(self.cap, 1, f"{src}: [dataloader_train].max_sequence_length")
+        pf.check_at_least(cfg.dataloader_train.max_caption_tokens, 1, f"{src}: [dataloader_train].max_caption_tokens")
+        pf.check_at_least(cfg.checkpoint.save_iter, 1, f"{src}: [checkpoint].save_iter")
+        pf.check_at_least(cfg.onecard.seed, 0, f"{src}: [onecard].seed")
+        if not 0.0 <= cfg.onecard.cfg_dropout <= 1.0:
+            raise UserError(f"{src}: [onecard].cfg_dropout = {cfg.onecard.cfg_dropout} must be in [0, 1]")
 
     def _print_plan(self) -> None:
         """The run's one-line plan and its memory ledger (rank 0)."""
         dev = self.device
         self.ledger = cosmos_ledger(self.cfg, self.preset.name, self.flags, world_size=self.world,
-                                    device_type=dev.type, cap=self.cap)
+                                    device_type=dev.type, cap=self.cap, grad_accum_iter=self.ga)
         if not self.main_rank:
             return
         where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no GPU found)"
@@ -274,12 +432,8 @@ class CosmosSFT(skeleton.Recipe):
 
     # ------------------------------------------------------------ 2. the stock recipe
     def build(self, stack: contextlib.ExitStack) -> None:
-        """Inputs, then data, model, VAE (on the host until the levers place it), optimizer and schedule."""
-        self.prepare()
+        """Data, model, VAE (on the host until the levers place it), optimizer and schedule (inputs checked)."""
         self._stack = stack
-        job = self.cfg.job
-        self.run_dir = Path(os.environ.get("OUTPUT_ROOT") or "outputs/train") / job.project / job.group / job.name
-        self.checkpoints = CheckpointManager(self.run_dir, write=self.main_rank)
         self.consumed = 0
         self._build_data()
         self._build_model()
@@ -287,29 +441,23 @@ class CosmosSFT(skeleton.Recipe):
         self._build_optimizer()
 
     def _build_data(self) -> None:
-        """The dataset (``DATASET_PATH`` or the sample dataset, prepared once by rank 0) and the packing loader."""
+        """The packing loader over the rows :meth:`preflight` read; counts the captions cut to fit."""
         cfg = self.cfg
-        dataset_path = os.environ.get("DATASET_PATH", "")
-        if dataset_path:
-            self.ds_root = Path(dataset_path)
-        else:
-            self.ds_root = datamod.default_sample_dataset_root(self.preset)
-            if self.main_rank:
-                datamod.prepare_sample_dataset(self.ds_root, self.preset)
-            if self.world > 1:
-                torch.distributed.barrier()
-        self.records = datamod.load_records(self.ds_root)
         self.tokenizer = datamod.CaptionTokenizer()
         seed = cfg.onecard.seed
         source = datamod.SampleSource(self.records, self.tokenizer, self.preset,
                                       max_caption_tokens=cfg.dataloader_train.max_caption_tokens,
                                       seed=seed, cfg_dropout=cfg.onecard.cfg_dropout)
         self.loader = packing.PackingLoader(source, cap=self.cap, rank=self.rank, world_size=self.world, seed=seed)
+        self.captions_truncated = source.truncated_captions()
+        if self.captions_truncated and self.main_rank:
+            print(f"onecard: {self.captions_truncated} of {len(self.records)} captions are longer than "
+                  f"max_caption_tokens {cfg.dataloader_train.max_caption_tokens} with their duration/fps/size "
+                  "suffix: each is cut to fit and keeps its suffix", flush=True)
 
     def _build_model(self) -> None:
         """The transformer (seeded random init), its trainable subset, checkpointing, packed attention, FSDP2."""
         cfg, device = self.cfg, self.device
-        self.dtype = torch.bfloat16 if (device.type == "cuda" and cfg.model.precision == "bfloat16") else torch.float32
         torch.manual_seed(cfg.onecard.seed)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -370,14 +518,21 @@ class CosmosSFT(skeleton.Recipe):
 
     # ------------------------------------------------------------ 4. checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Upstream's layout: ``model`` holds ``net.<k>`` and ``net_ema.<k>`` for every net key."""
+        """Upstream's layout: ``model`` holds ``net.<k>`` and ``net_ema.<k>`` for every net key, full-shape.
+
+        At world size > 1 every rank gathers the full tensors (a collective) and rank 0 writes them, so a
+        checkpoint holds whole tensors at any world size, keyed by name (the optimizer state too). A resume
+        still needs the world size it was written at: the world size splits the data (see
+        :meth:`training_settings`).
+        """
         with self.mem.phase("checkpoint"):
-            model = {f"net.{canonical_name(k)}": v.detach().cpu() for k, v in self.model.state_dict().items()}
-            ema = self.ema.state_dict() if self.ema is not None else {"num_updates": 0, "shadow": {}}
+            net, optim = gather_full_state(self.model, self.opt)
+            model = {f"net.{canonical_name(k)}": v for k, v in net.items()}
+            ema = self.ema.full_state_dict() if self.ema is not None else {"num_updates": 0, "shadow": {}}
             model.update({f"net_ema.{k}": v for k, v in ema["shadow"].items()})
             return {
                 "model": model,
-                "optimizer": self.opt.state_dict(),
+                "optimizer": optim,
                 "scheduler": self.sched.state_dict(),
                 "iteration": self.done,
                 "micro_batches_consumed": self.consumed,
@@ -385,12 +540,26 @@ class CosmosSFT(skeleton.Recipe):
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> int:
-        """Resume the same job: net, EMA (with its counter), optimizer, schedule and data position."""
-        self.model.load_state_dict({k[4:]: v for k, v in state["model"].items() if k.startswith("net.")})
+        """Resume the same job: net, EMA (with its counter), optimizer, schedule and data position.
+
+        Full tensors are sliced to this rank's shards locally (no collective); an optimizer state keyed by
+        parameter index (written before it was keyed by name, at one rank) is loaded as it is.
+        """
+        net = {k[4:]: v for k, v in state["model"].items() if k.startswith("net.")}
+        by_name = {canonical_name(k): k for k in self.model.state_dict()}
+        optim = state["optimizer"]
+        named = all(isinstance(k, str) for k in optim.get("state", {}))
+        try:
+            load_full_state(self.model, {by_name.get(k, k): v for k, v in net.items()},
+                            *((self.opt, optim) if named else ()))
+        except (KeyError, ValueError) as e:
+            raise UserError(f"the checkpoint in {self.checkpoints.dir} does not fit this model ({e}): use another "
+                            "OUTPUT_ROOT or [job].name, or the settings it was trained with") from None
+        if not named:
+            self.opt.load_state_dict(optim)
         if self.ema is not None:
             shadow = {k[8:]: v for k, v in state["model"].items() if k.startswith("net_ema.")}
             self.ema.load_state_dict({"num_updates": state.get("ema_num_updates", 0), "shadow": shadow})
-        self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.consumed = state["micro_batches_consumed"]
         return state["iteration"]
@@ -398,6 +567,30 @@ class CosmosSFT(skeleton.Recipe):
     def on_resume(self, path: Path, step: int) -> None:
         self.init_note = f"resumed from {path} at iteration {step}"
         self._print_model()
+
+    def training_settings(self) -> dict[str, Any]:
+        """What decides the trajectory: model, data, optimizer, schedule, loss, EMA, world size (not the levers,
+        which are proven not to change it); ``max_iter`` and ``save_iter`` may change on a resume."""
+        c = self.cfg
+        o, sc, gc, ema, oc = c.optimizer, c.scheduler, c.trainer.callbacks.grad_clip, c.model.ema, c.onecard
+        return {
+            "[onecard].preset": self.preset.name, "world size (NPROC_PER_NODE x NNODES)": self.world,
+            "[model].precision": str(self.dtype).replace("torch.", ""),
+            "[optimizer].keys_to_select": list(o.keys_to_select), "[optimizer].lr": o.lr,
+            "[optimizer].betas": list(o.betas), "[optimizer].eps": o.eps, "[optimizer].weight_decay": o.weight_decay,
+            "[scheduler].warm_up_steps": list(sc.warm_up_steps), "[scheduler].cycle_lengths": list(sc.cycle_lengths),
+            "[scheduler].f_start": list(sc.f_start), "[scheduler].f_max": list(sc.f_max), "[scheduler].f_min": list(sc.f_min),
+            "[trainer].grad_accum_iter": self.ga, "[dataloader_train].max_sequence_length": self.cap,
+            "[dataloader_train].max_caption_tokens": c.dataloader_train.max_caption_tokens,
+            "[trainer.callbacks.grad_clip].clip_norm": gc.clip_norm,
+            "[trainer.callbacks.grad_clip].force_finite": gc.force_finite,
+            "[model.ema].enabled": ema.enabled, "[model.ema].rate": ema.rate,
+            "[model.ema].iteration_shift": ema.iteration_shift,
+            "[onecard].seed": oc.seed, "[onecard].loss_scale": oc.loss_scale, "[onecard].cfg_dropout": oc.cfg_dropout,
+            "dataset (sha256 of video_dataset_file.jsonl)": self.dataset_sha,
+            "WAN_VAE_PATH": c.model.tokenizer.vae_path,
+            "[trainer].max_iter": self.max_steps, "[checkpoint].save_iter": c.checkpoint.save_iter,
+        }
 
     def warm_start(self) -> None:
         """Base weights from ``[checkpoint].load_path`` (the EMA re-seeded from them), else random init."""
@@ -529,6 +722,7 @@ class CosmosSFT(skeleton.Recipe):
             "cap": self.cap,
             "samples_per_optimizer_step": [r.samples for r in results],
             "drops": self.loader.dropped_count,
+            "captions_truncated": self.captions_truncated,
             "last_loss": results[-1].loss if results else float("nan"),
             "ema": self._ema_summary(),
             "vae_offload": None if self.offload is None else dict(self.offload.stats),
@@ -566,7 +760,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     recipe = CosmosSFT(args)
     if args.validate_only:
-        recipe.prepare()
+        skeleton.preflight(recipe)  # the recipe's checks, then the resume's settings against the checkpoint's
         return {"validated": True}
     summary = skeleton.run(recipe)
     if recipe.main_rank and recipe.trained:
@@ -580,8 +774,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sft-toml", required=True, help="recipe TOML (upstream SFT schema + [onecard])")
     ap.add_argument("--max-iter", type=int, default=0, help="override [trainer].max_iter (0 = keep)")
     ap.add_argument("--no-save", action="store_true", help="write no checkpoint (benchmarks)")
+    ap.add_argument("--videos-checked", action="store_true",
+                    help="skip decoding each video's first and last needed frame (the launcher passes it to the "
+                         "ranks: its --validate-only step did it once)")
     ap.add_argument("--validate-only", action="store_true",
-                    help="check the TOML, flags and paths, print the memory ledger, and exit (0 ok, 2 bad input)")
+                    help="check the TOML, flags, paths, output folder, checkpoints, dataset rows and videos, print "
+                         "the memory ledger, and exit (0 ok, 2 bad input); writes nothing")
     return ap.parse_args(argv)
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from patches.core.runtime import GiB, to_local
+from patches.core.runtime import GiB, as_dtensor, to_local
 
 from .ema import EMA, canonical_name
 from .vae_offload import VAEOffload
@@ -94,7 +94,9 @@ class HostEmaWorker:
         """``{"net_ema.<k>": tensor}`` for every ``k`` of ``net_keys`` (canonical FQNs, as DCP names them).
 
         Trainable keys hold the EMA, frozen keys and buffers the net's values in fp32. Sharded (DTensor)
-        parameters give DTensors with the same mesh and placements, so each rank saves its own shard.
+        parameters give DTensors with the same mesh, placements and *global* shape and stride, so each rank
+        saves its own shard and DCP sees the same chunks as for ``net.<k>``, uneven shards included (dim 0 of 7
+        on 2 ranks, or of 1 with an empty shard).
         """
         shadow = self.ensure(net).state_dict()["shadow"]  # EMA for trainable keys, net in fp32 for the rest
         state = {canonical_name(k): v for k, v in net.state_dict().items()}
@@ -105,9 +107,7 @@ class HostEmaWorker:
             if value is None:
                 continue
             if ref is not None and hasattr(ref, "device_mesh") and ref.device_mesh.size() > 1:
-                from torch.distributed.tensor import DTensor
-
-                value = DTensor.from_local(value.to(ref.device_mesh.device_type), ref.device_mesh, ref.placements)
+                value = as_dtensor(value, ref.device_mesh, ref.placements, ref.shape, ref.stride())
             out[f"net_ema.{k}"] = value
         return out
 

@@ -9,7 +9,8 @@
 # DRYRUN=1 prints the memory ledger (meta device, nothing allocated) against BUDGET_GIB (default 22.06)
 # and exits: 0 fits, 1 does not fit.
 # Reads, like upstream's launchers: NPROC_PER_NODE (default 1), MASTER_PORT (unset: a free port on a
-# one-node run, 50012 with NNODES > 1), NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1), DATASET_PATH,
+# one-node run, 50012 with NNODES > 1; set: refused when taken on node 0), NNODES (1), NODE_RANK (0),
+# MASTER_ADDR (127.0.0.1), DATASET_PATH,
 # BASE_CHECKPOINT_PATH, WAN_VAE_PATH, OUTPUT_ROOT.
 # Without COSMOS_FRAMEWORK_ROOT the embedded reference trainer runs (tiny preset on a machine without a
 # GPU, the full edge preset on a GPU). Trailing arguments go to the trainer (e.g. --max-iter 3).
@@ -60,10 +61,14 @@ if [[ -z "${MASTER_PORT:-}" ]]; then
   # One node: any free port, so that runs side by side (parallel tests) do not collide. Several nodes must
   # agree on the port: keep upstream's fixed default there.
   if [[ "${NNODES:-1}" == 1 ]]; then
-    MASTER_PORT="$(cd "$here" && "$PYTHON" -c 'from patches.core.runtime import free_port; print(free_port())')"
+    MASTER_PORT="$(cd "$here" && "$PYTHON" -m patches.core.ports free)"
   else
     MASTER_PORT=50012
   fi
+elif [[ "${NODE_RANK:-0}" == 0 ]]; then
+  # A port given explicitly must be free where the rendezvous listens (node 0): one line now, not a torchrun
+  # traceback after the ranks start.
+  (cd "$here" && "$PYTHON" -m patches.core.ports check MASTER_PORT "$MASTER_PORT") || exit 2
 fi
 
 export DATASET_PATH="${DATASET_PATH:-}" BASE_CHECKPOINT_PATH="${BASE_CHECKPOINT_PATH:-}" WAN_VAE_PATH="${WAN_VAE_PATH:-}"
@@ -95,10 +100,12 @@ if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
 fi
 
 train=(-m cosmos_framework_ext.train --sft-toml="$TOML_FILE" "$@")
-# Check the TOML, flags and paths once in this process first (prints the memory ledger): bad input then
-# ends with the trainer's one error line and exit status 2, before torchrun wraps anything in its report.
+# Check every input once in this process first (prints the memory ledger): the TOML, flags and paths,
+# OUTPUT_ROOT writable, BASE_CHECKPOINT_PATH's header, WAN_VAE_PATH's config, every dataset row and video, and
+# a resume's settings against the checkpoint's. Bad input then ends with the trainer's one error line and exit
+# status 2, with nothing written, before torchrun wraps anything in its report.
 "$PYTHON" "${train[@]}" --validate-only >/dev/null || exit $?
 exec "$PYTHON" -m torch.distributed.run \
   --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
   --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="$MASTER_PORT" \
-  "${train[@]}"
+  "${train[@]}" --videos-checked

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Sequence
 
 from patches.core.errors import UserError, cli
+from patches.core.io import atomic_write_text
 
 __all__ = [
     "stable_hash",
@@ -480,13 +481,9 @@ def _translate_command(argv: list[str]) -> int:
         ns, rest = parser.parse_known_args(argv)
     result = translate(rest, ns.from_gpus, ns.to_gpus)
     if ns.out is not None:
-        tmp = ns.out.with_name(ns.out.name + ".tmp")
         try:
-            tmp.write_text(shlex.join(result.args) + "\n")
-            tmp.replace(ns.out)
+            atomic_write_text(ns.out, shlex.join(result.args) + "\n")
         except OSError as e:
-            if tmp.parent.is_dir():
-                tmp.unlink(missing_ok=True)
             raise UserError(f"cannot write --out {ns.out}: {e.strerror}; pick a writable path") from None
     sys.stdout.write(result.render())
     return 0

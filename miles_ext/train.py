@@ -23,7 +23,9 @@ step per rollout. After every rollout :class:`patches.core.checkpoint.Checkpoint
 ``lora_meta``, the optimizer and the rollout counter) and points ``checkpoints/latest_checkpoint.txt`` at it;
 ``python -m miles_ext.export_lora`` turns one into a PEFT adapter. A run whose ``--output-dir`` already holds
 a checkpoint resumes from the newest readable one (LoRA, optimizer, data order) and trains up to
-``--num-rollout``.
+``--num-rollout``; the checkpoint also holds the flags that decide what is trained
+(:meth:`H3SFTRecipe.training_settings`), and a resume with another value for one of them is refused.
+Every input is checked before anything is encoded or written (``--validate-only`` stops there).
 
 Exit status 0, or 2 with one ``error:`` line on bad input.
 """
@@ -42,12 +44,14 @@ from typing import Any, Optional
 
 import torch
 
+from patches.core import preflight as pf
 from patches.core.checkpoint import CheckpointManager
 from patches.core.config import add_arguments, from_namespace
 from patches.core.errors import UserError, cli
 from patches.core.io import atomic_torch_save
-from patches.core.runtime import GiB, free_port, host_rss, median, port_in_use, to_local
+from patches.core.runtime import GiB, free_port, host_rss, median, to_local
 from patches.core.trainer import Recipe, StepResult
+from patches.core.trainer import preflight as preflight_run
 from patches.core.trainer import run as run_recipe
 
 __all__ = ["H3SFTConfig", "H3SFTRecipe", "SIGMA_BUCKETS", "encode_pairs", "set_deterministic", "parse_args",
@@ -109,6 +113,9 @@ class H3SFTConfig:
     """Run folder: summary.json and checkpoints/."""
     master_port: Optional[int] = None
     """Rendezvous port of the one-rank process group; default: $MASTER_PORT, else a free port."""
+    validate_only: bool = False
+    """Check every input (batch, LoRA, port, output folder, dataset rows and videos, the settings of the checkpoint
+    a resume continues) and exit: 0 ok, 2 bad input; nothing is written to the output folder."""
 
 
 def set_deterministic() -> None:
@@ -199,13 +206,19 @@ def encode_pairs(preset, device: torch.device, data_dir: Path | None, cache_dir:
 
 # ------------------------------------------------------------------------------------------- trainer
 def _resolve_master_port(cfg: H3SFTConfig) -> str:
-    """``--master-port`` if given (refused when taken), else ``$MASTER_PORT``, else a free port."""
+    """``--master-port`` if given, else ``$MASTER_PORT``, else a free port; a given port that is taken is refused.
+
+    Raises:
+        UserError: the port given is in use or not a port (the message names ``--master-port`` or ``MASTER_PORT``).
+    """
     if cfg.master_port is not None:
-        if port_in_use(cfg.master_port):
-            raise UserError(f"--master-port {cfg.master_port} is in use: pass a free port, or leave it unset "
-                            "to pick one")
-        return str(cfg.master_port)
-    return os.environ.get("MASTER_PORT") or str(free_port())
+        return str(pf.check_port_free(cfg.master_port, "--master-port"))
+    env = os.environ.get("MASTER_PORT", "")
+    if env:
+        if not env.isdigit():
+            raise UserError(f"MASTER_PORT={env} is not a whole number: set a free port, or unset it to pick one")
+        return str(pf.check_port_free(int(env), "MASTER_PORT"))
+    return str(free_port())
 
 
 def _pinned_fsdp_bytes(model: torch.nn.Module) -> int:
@@ -228,9 +241,13 @@ class H3SFTRecipe(Recipe):
 
     unit = "rollout"
     more_hint = "raise --num-rollout to train further"
+    adjustable_settings = frozenset({"--num-rollout"})
 
     def __init__(self, cfg: H3SFTConfig):
+        from miles_ext.lora import H3_LORA_TARGETS
+
         self.cfg = cfg
+        self.target_modules = list(cfg.lora_target_modules or H3_LORA_TARGETS)
         self.run_dir = Path(cfg.output_dir)
         self.checkpoints = CheckpointManager(self.run_dir)
         self.max_steps = cfg.num_rollout
@@ -239,13 +256,80 @@ class H3SFTRecipe(Recipe):
         self.step_times: list[float] = []
         self.buckets: dict[str, list[float]] = {}
 
-    # ---- build: config checks, data, model, optimizer
+    # ---- preflight: every input, before anything is encoded, built or written
+    def preflight(self) -> None:
+        """Check the flags, the batch schedule, the LoRA targets (on a meta-device model), the port, the output and
+        cache folders, every dataset row and video; print the plan line.
+
+        Raises:
+            UserError: one line naming the bad input; nothing has been encoded or written.
+        """
+        cfg = self.cfg
+        pf.check_at_least(cfg.num_rollout, 1, "--num-rollout", "train at least one rollout")
+        pf.check_at_least(cfg.lora_rank, 1, "--lora-rank", "the recipe's is 64")
+        for flag, value in (("--lora-alpha", cfg.lora_alpha), ("--lr", cfg.lr), ("--clip-grad", cfg.clip_grad)):
+            if not value > 0:
+                raise UserError(f"{flag} = {value} must be > 0")
+        pf.check_at_least(cfg.seed, 0, "--seed")
+        self._check_batch()
+        self._pick_device()
+        self.master_port = _resolve_master_port(cfg)
+        pf.check_writable(self.run_dir, "--output-dir")
+        if cfg.cache_dir:
+            pf.check_writable(cfg.cache_dir, "--cache-dir")
+        self._check_dataset()
+        self._check_lora_targets()  # last: it imports diffusers' H3 model and PEFT (seconds)
+
+    def _check_lora_targets(self) -> None:
+        """``--lora-target-modules`` against the preset's linear layers, on a meta-device model (nothing allocated)."""
+        from miles_ext.lora import matched_target_modules
+        from miles_ext.presets import build_transformer
+
+        if not matched_target_modules(build_transformer(self.preset, device="meta"), self.target_modules):
+            raise UserError(f"LoRA target_modules {self.target_modules} match no nn.Linear of the H3 transformer; "
+                            "pass names (or '.'-suffixes) of its linear layers, e.g. attn.to_q, or leave "
+                            "--lora-target-modules unset for the H3 defaults")
+
+    def _check_dataset(self) -> None:
+        """``--data-dir`` (the launcher's ``DATASET_PATH``) or the sample dataset: every row and every video."""
+        import hashlib
+
+        from cosmos_framework_ext import data as cdata
+        from cosmos_framework_ext.presets import get_preset as cosmos_preset
+
+        cfg = self.cfg
+        if cfg.data_dir:
+            root = Path(cfg.data_dir)
+            if not root.is_dir():
+                raise UserError(f"--data-dir {root} (DATASET_PATH in the launcher) does not exist or is not a folder: "
+                                f"point it at a folder holding {cdata.JSONL_RELPATH}, or leave it unset for the "
+                                "sample dataset")
+        else:
+            root = cdata.prepare_sample_dataset(cdata.default_sample_dataset_root(cosmos_preset("edge")),
+                                                cosmos_preset("edge"))
+        records = cdata.load_records(root)
+        cdata.check_videos_decode(records)
+        self.dataset_sha = hashlib.sha256((root / cdata.JSONL_RELPATH).read_bytes()).hexdigest()[:16]
+
+    def training_settings(self) -> dict[str, Any]:
+        """What decides the LoRA's trajectory (the base is rebuilt from the seed, so its dtype and preset count);
+        ``--num-rollout`` may change on a resume. Placement flags (offload, determinism) are not settings."""
+        c = self.cfg
+        return {
+            "--preset": self.preset.name, "--rollout-batch-size": c.rollout_batch_size,
+            "--n-samples-per-prompt": c.n_samples_per_prompt, "--num-steps-per-rollout": c.num_steps_per_rollout,
+            "global batch": self.gbs, "--micro-batch-size": c.micro_batch_size, "--from-gpus": c.from_gpus,
+            "--lora-rank": c.lora_rank, "--lora-alpha": c.lora_alpha, "--lora-target-modules": self.target_modules,
+            "--lr": c.lr, "--clip-grad": c.clip_grad, "--fsdp-master-dtype": c.fsdp_master_dtype,
+            "--text-encoder-random-weights": c.text_encoder_random_weights, "--seed": c.seed,
+            "dataset (sha256 of video_dataset_file.jsonl)": self.dataset_sha, "--num-rollout": c.num_rollout,
+        }
+
+    # ---- build: data, model, optimizer
     def build(self, stack: contextlib.ExitStack) -> None:
         cfg = self.cfg
         if cfg.deterministic_mode:
             set_deterministic()
-        self._check_batch()
-        self._pick_device()
         self._init_process_group(stack)
         t0 = time.perf_counter()
         self._load_data()
@@ -294,7 +378,7 @@ class H3SFTRecipe(Recipe):
         if torch.distributed.is_initialized():
             return
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = _resolve_master_port(self.cfg)
+        os.environ["MASTER_PORT"] = self.master_port
         backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
         torch.distributed.init_process_group(backend, rank=0, world_size=1)
         stack.callback(torch.distributed.destroy_process_group)
@@ -316,7 +400,7 @@ class H3SFTRecipe(Recipe):
     def _build_model(self) -> None:
         """The transformer built directly in the master dtype, LoRA, gradient checkpointing, FSDP2."""
         from miles_ext import fsdp_policy
-        from miles_ext.lora import H3_LORA_TARGETS, attach_lora, lora_parameters
+        from miles_ext.lora import attach_lora, lora_parameters
         from miles_ext.presets import build_transformer
 
         cfg = self.cfg
@@ -328,7 +412,6 @@ class H3SFTRecipe(Recipe):
             model = build_transformer(self.preset)
         finally:
             torch.set_default_dtype(prev)
-        self.target_modules = list(cfg.lora_target_modules or H3_LORA_TARGETS)
         try:
             attach_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=self.target_modules)
         except ValueError as e:
@@ -504,8 +587,16 @@ def parse_args(argv: list[str] | None = None) -> H3SFTConfig:
 
 
 def run(cfg: H3SFTConfig) -> dict[str, Any]:
-    """Train as ``cfg`` says (resuming from ``cfg.output_dir``); returns the summary."""
-    return run_recipe(H3SFTRecipe(cfg))
+    """Train as ``cfg`` says (resuming from ``cfg.output_dir``); returns the summary.
+
+    With ``--validate-only``: check the inputs (and a resume's settings), return ``{"validated": True}``.
+    """
+    recipe = H3SFTRecipe(cfg)
+    if cfg.validate_only:
+        preflight_run(recipe)
+        print("onecard: inputs OK (--validate-only)", flush=True)
+        return {"validated": True}
+    return run_recipe(recipe)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,6 +18,18 @@ from cosmos_framework_ext.data import CaptionTokenizer, prepare_sample_dataset  
 from cosmos_framework_ext.presets import get_preset  # noqa: E402
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """``pytest -n N`` without ``--dist``: hand whole test files to the workers (xdist's ``loadfile``).
+
+    The proofs build their rank launches and trainer runs in module-scoped fixtures (the H3 topology runs, the
+    FSDP2 launches, the H3 trainer run); xdist's default ``load`` may split a file over both workers, which then
+    both build its fixture: 25-60 s of CPU more on a 2-core machine. An explicit ``--dist`` is left alone.
+    """
+    explicit = any(str(a) == "-d" or str(a).startswith("--dist") for a in config.invocation_params.args)
+    if getattr(config.option, "dist", "no") == "load" and not explicit:
+        config.option.dist = "loadfile"
+
+
 @pytest.fixture(autouse=True)
 def _private_output_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Safety net for ``pytest -n auto``: no test writes the shared ``outputs/`` or ``~/.cache/onecard``.

@@ -93,14 +93,24 @@ def test_export_then_diffusers_load_lora_adapter(trained, tmp_path):
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(want, got))
 
 
-def test_comfyui_keys(trained, tmp_path):
+def test_comfyui_file_reproduces_the_trained_delta(trained, tmp_path):
+    """Kohya/ComfyUI semantics: per module ``lora_down`` (A), ``lora_up`` (B) and ``alpha`` = lora_alpha (not
+    alpha / r); a loader applies ``delta W = (alpha / r) * up @ down`` with r = the down weight's rows. That delta
+    must be PEFT's own ``get_delta_weight`` of the trained layer."""
     from safetensors.torch import load_file
 
-    _, ckpt = trained
+    model, ckpt = trained
     export_lora.export(ckpt, tmp_path / "adapter", comfyui=True)
-    keys = load_file(str(tmp_path / "adapter" / "lora_comfyui.safetensors"))
-    assert any(k.startswith("diffusion_model.") and k.endswith(".lora_down.weight") for k in keys)
-    assert any(k.endswith(".alpha") for k in keys)
+    sd = load_file(str(tmp_path / "adapter" / "lora_comfyui.safetensors"))
+    modules = sorted(k[len("diffusion_model."):-len(".alpha")] for k in sd if k.endswith(".alpha"))
+    assert len(modules) == len(lora_parameters(model)) // 2 and all(k.startswith("diffusion_model.") for k in sd)
+    layers = dict(model.named_modules())
+    for m in modules:
+        alpha, down, up = (sd[f"diffusion_model.{m}.{k}"] for k in ("alpha", "lora_down.weight", "lora_up.weight"))
+        assert alpha.dim() == 0 and float(alpha) == ALPHA
+        assert down.shape[0] == up.shape[1] == RANK
+        delta = (float(alpha) / down.shape[0]) * up @ down
+        torch.testing.assert_close(delta, layers[m].get_delta_weight("default"), rtol=1e-6, atol=1e-7)
 
 
 def test_checkpoint_without_lora_is_one_error_and_nothing_written(tmp_path, capsys):

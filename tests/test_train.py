@@ -128,13 +128,16 @@ def test_main_job_summary_and_checkpoint(env, capsys):
     assert out.splitlines()[0].startswith("onecard: preset tiny on CPU (no GPU found)")
     s = _final(env / "out")
     assert s["steps"] == 4 and s["drops"] == 0 and s["ema"]["placement"] == "cpu_subset"
-    assert s["ema"]["num_updates"] == 4 and 0 < s["ema"]["last_beta"] < 1
+    # upstream passes the iteration before its increment: the 4th step (iteration 3) updates with
+    # beta(3) = (1 - 1/4)^(gamma + 1), gamma = 6.9372039 for rate 0.1
+    assert s["ema"]["num_updates"] == 4 and s["ema"]["last_beta"] == pytest.approx(0.75 ** 7.9372039, rel=1e-6)
     for key in ("samples_per_optimizer_step", "peak_gpu_gib", "peak_host_rss_gib", "pinned_bytes", "checkpoint"):
         assert key in s
     blob = torch.load(s["checkpoint"], map_location="cpu", weights_only=False)
     net = {k[4:] for k in blob["model"] if k.startswith("net.")}
     ema = {k[8:]: v for k, v in blob["model"].items() if k.startswith("net_ema.")}
     assert net == set(ema) and all(v.dtype == torch.float32 for v in ema.values())
+    assert blob["iteration"] == 4 and blob["ema_num_updates"] == 4
     assert not list((env / "out").rglob(".*.tmp-*"))  # no temp files left behind
     # the memory timeline sits beside the checkpoints, with per-phase peaks in the summary
     assert Path(s["timeline"]["csv"]).is_file() and Path(s["timeline"]["png"]).is_file()
@@ -154,8 +157,27 @@ def test_resume_continues_exactly(env, monkeypatch, capsys):
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert a["iteration"] == b["iteration"] == 4
+    assert a["ema_num_updates"] == b["ema_num_updates"] == 4  # the resumed EMA kept counting from its checkpoint
     assert a["micro_batches_consumed"] == b["micro_batches_consumed"]
     # once more: nothing left to do, and the finished run's summary is kept
     before = _final(env / "resumed")
     rc, out, _ = run_main(["--sft-toml", toml], capsys)
     assert rc == 0 and "nothing to do" in out and _final(env / "resumed") == before
+
+
+def test_oversized_sample_is_counted_as_a_drop(env, monkeypatch, capsys, caplog):
+    """One row whose caption alone exceeds the cap: the loader drops it (one error line) and the summary counts it."""
+    src = Path(os.environ["DATASET_PATH"]) / "train"
+    data = env / "oversized" / "train"
+    data.mkdir(parents=True)
+    (data / "media").symlink_to(src / "media")
+    rows = (src / "video_dataset_file.jsonl").read_text().splitlines()
+    big = dict(json.loads(rows[0]), caption=" ".join(["cyclist"] * 400))
+    (data / "video_dataset_file.jsonl").write_text("\n".join([*rows, json.dumps(big)]) + "\n")
+    monkeypatch.setenv("DATASET_PATH", str(data.parent))
+    toml = small_toml(env, **{"cfg_dropout  = 0.1": "cfg_dropout  = 0.0"})  # the caption is never dropped
+    rc, _, err = run_main(["--sft-toml", str(toml), "--max-iter", "1", "--no-save"], capsys)
+    assert rc == 0, err
+    assert _final(env / "out")["drops"] == 1  # every other row fits the cap of 300 (test_packing.py)
+    dropped = [r for r in caplog.records if r.name == "onecard.packing" and "dropped sample" in r.getMessage()]
+    assert len(dropped) == 1 and f"dropped sample {len(rows)} " in dropped[0].getMessage()

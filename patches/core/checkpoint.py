@@ -14,10 +14,11 @@ and, if it cannot be read, says so and falls back to the next older one.
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .io import TMP_MARK, atomic_torch_save, atomic_write_text
 
@@ -65,22 +66,29 @@ class CheckpointManager:
         found = self.all()
         return found[-1][1] if found else None
 
-    def load_latest(self, **load_kw: Any) -> tuple[Path, dict[str, Any]] | None:
+    def load_latest(self, on_damaged: Callable[[str], None] | None = None,
+                    **load_kw: Any) -> tuple[Path, dict[str, Any]] | None:
         """Load the newest readable checkpoint: ``(path, state)``, or ``None`` when there is none.
 
-        A file that cannot be read (truncated, not a torch file) is reported with a warning and skipped
-        for the next older one. ``load_kw`` go to ``torch.load`` (default ``map_location="cpu"``,
-        ``weights_only=False``: the file is this run's own).
+        A file that cannot be read (truncated, not a torch file) is reported and skipped for the next older
+        one: the one-line report goes to ``on_damaged`` (default: a ``UserWarning``). ``load_kw`` go to
+        ``torch.load`` (default ``map_location="cpu"``, ``weights_only=False``: the file is this run's own).
         """
         import torch
 
         load_kw = {"map_location": "cpu", "weights_only": False, **load_kw}
-        for _, path in reversed(self.all()):
+        found = self.all()
+        for i, (_, path) in reversed(list(enumerate(found))):
             try:
                 return path, torch.load(path, **load_kw)
             except Exception as e:  # noqa: BLE001 - any reader error means "damaged"
-                warnings.warn(f"checkpoint {path} is damaged ({type(e).__name__}: {str(e)[:120]}); "
-                              "trying the next older one", stacklevel=2)
+                why = " ".join(f"{type(e).__name__}: {e}".split())[:160]
+                then = f"resuming from {found[i - 1][1].name} if it reads" if i else "no older one: starting anew"
+                msg = f"checkpoint {path} is damaged ({why}); {then}"
+                if on_damaged is None:
+                    warnings.warn(msg.replace(f"; {then}", "; trying the next older one"), stacklevel=2)
+                else:
+                    on_damaged(msg)
         return None
 
     def clean_stale(self) -> list[Path]:
@@ -91,3 +99,86 @@ class CheckpointManager:
         for p in stale:
             p.unlink(missing_ok=True)
         return stale
+
+
+# ------------------------------------------------------------------------- full state at any world size
+def gather_full_state(model: Any, optimizer: Any = None, *,
+                      optimizer_on_every_rank: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Full (unsharded) CPU copies of ``model.state_dict()`` (on every rank) and of ``optimizer``'s state.
+
+    A collective at world size > 1 (call it on every rank): FSDP2 (DTensor) entries are gathered one tensor
+    at a time with their global shapes, uneven shards included. The optimizer state is keyed by parameter name
+    (torch's ``get_optimizer_state_dict`` with ``full_state_dict`` and ``cpu_offload``), so a checkpoint
+    written at one world size loads at another; it is complete on global rank 0, the writer
+    (:meth:`CheckpointManager.save`), and empty on the other ranks, which never hold a whole copy (with
+    ``optimizer_on_every_rank``: complete everywhere, e.g. for a mesh that does not hold global rank 0).
+    :func:`load_full_state` reads it back.
+    """
+    net = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to("cpu", copy=True)
+           for k, v in model.state_dict().items()}
+    if optimizer is None:
+        return net, None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not optimizer_on_every_rank)
+    return net, _to_cpu(get_optimizer_state_dict(model, optimizer, options=options))
+
+
+def load_full_state(model: Any, net: dict[str, Any], optimizer: Any = None, optim: dict[str, Any] | None = None) -> None:
+    """Load full tensors (what :func:`gather_full_state` gives) into a model that may be FSDP2-sharded.
+
+    Each rank slices its own shard out of the full tensor (:func:`patches.core.runtime.shard_of`); no
+    collective runs. (torch's ``set_*_state_dict(full_state_dict=True)`` scatters only on the ranks whose
+    shard shape differs from the full one, so a ``(1,)`` parameter on 2 ranks hangs one rank in a scatter.)
+
+    Raises:
+        KeyError: ``net`` lacks a key of ``model.state_dict()``.
+        ValueError: a tensor's shape differs from the model's.
+    """
+    import torch
+
+    from .runtime import as_dtensor, shard_of, to_local
+
+    target = model.state_dict()
+    missing = [k for k in target if k not in net]
+    if missing:
+        raise KeyError(f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for k, t in target.items():
+            full = net[k]
+            if tuple(full.shape) != tuple(t.shape):
+                raise ValueError(f"checkpoint tensor {k} has shape {tuple(full.shape)}, the model's {tuple(t.shape)}")
+            to_local(t).copy_(shard_of(full, getattr(t, "device_mesh", None), getattr(t, "placements", None)))
+    if optimizer is None or optim is None:
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    params = dict(model.named_parameters())
+    state: dict[str, Any] = {}
+    for name, per_param in optim.get("state", {}).items():
+        p = params.get(name)
+        mesh = getattr(p, "device_mesh", None)
+        state[name] = {}
+        for k, v in per_param.items():
+            if torch.is_tensor(v):  # a copy: the optimizer updates its state (even ``step``) in place
+                sharded = mesh is not None and tuple(v.shape) == tuple(p.shape)
+                v = shard_of(v, mesh, p.placements).clone() if sharded else v.clone()
+                if sharded:
+                    v = as_dtensor(v, mesh, p.placements, p.shape, p.stride())
+            state[name][k] = v
+    # torch rewrites the dict it is given: pass copies, so ``optim`` can be loaded again (another model)
+    groups = copy.deepcopy(optim.get("param_groups", []))
+    set_optimizer_state_dict(model, optimizer, optim_state_dict={"state": state, "param_groups": groups},
+                             options=StateDictOptions(full_state_dict=False))
+
+
+def _to_cpu(obj: Any) -> Any:
+    import torch
+
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

@@ -49,6 +49,8 @@ def _try_create(path: Path) -> bool:
 def hold_run_lock(run_dir: str | Path, enabled: bool = True) -> Iterator[Path | None]:
     """Hold the run folder's lock for the ``with`` block (a no-op when ``enabled`` is false, e.g. rank > 0).
 
+    Folders it creates for the lock are removed again on exit when they are empty (nothing was written).
+
     Raises:
         RunLocked: a live process on this host (or any process on another host) holds the lock.
     """
@@ -56,7 +58,19 @@ def hold_run_lock(run_dir: str | Path, enabled: bool = True) -> Iterator[Path | 
         yield None
         return
     path = Path(run_dir) / LOCK_NAME
+    created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]  # innermost first
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield from _hold(path)
+    finally:
+        for folder in created:  # a run that wrote nothing (refused, failed early) leaves no empty folders
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _hold(path: Path) -> Iterator[Path]:
     for _ in range(2):
         if _try_create(path):
             break

@@ -1,12 +1,17 @@
-"""Small process facts every trainer and lever reports: units, host RSS, ranks, shards, medians, ports."""
+"""Small process facts every trainer and lever reports: units, host RSS, ranks, shards, medians, ports.
+
+Sharded tensors: :func:`to_local` (this rank's shard), :func:`shard_of` (a full tensor sliced to this rank's
+shard, no collective) and :func:`as_dtensor` (a shard as a DTensor with its global shape, for gathers and DCP).
+"""
 
 from __future__ import annotations
 
 import os
-import socket
 from typing import Sequence
 
 import torch
+
+from .ports import free_port, port_in_use  # noqa: F401 - re-exported (their home is torch-free)
 
 GiB = float(2**30)
 """Bytes in one GiB (binary gigabyte, 2**30); every memory figure onecard prints is in GiB unless it says GB."""
@@ -38,21 +43,30 @@ def median(xs: Sequence[float]) -> float | None:
     return s[len(s) // 2]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it back, close).
+def shard_of(full: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's shard of ``full`` as a DTensor on ``mesh`` with ``placements`` holds it, sliced locally.
 
-    For a one-node rendezvous and for tests run in parallel: never hard-code a port.
+    ``full`` is the whole (global) tensor on every rank; the slice is what ``to_local()`` of that DTensor
+    gives, uneven splits included (dim 0 of 7 on 2 ranks: 4 and 3 rows; of 1: 1 and 0). No collective runs,
+    so ranks may call it for different tensors. ``full`` itself when ``mesh`` is ``None`` (not sharded).
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    if mesh is None:
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tuple(full.shape), mesh, placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
 
 
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether something is already bound to ``host:port`` (a bind attempt fails)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
+def as_dtensor(local: torch.Tensor, mesh, placements, shape, stride):
+    """``local`` (this rank's shard) as a DTensor on ``mesh`` with ``placements`` and the *global* ``shape``/``stride``.
+
+    ``DTensor.from_local`` without the global shape infers it from the local one, which is wrong for uneven
+    shards (a dim 0 the world size does not divide, an empty shard): ranks then disagree on the size (gloo's
+    "Received data size doesn't match expected size", DCP's "overlapping chunks"). Pass the parameter's
+    ``p.shape`` and ``p.stride()``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.to(mesh.device_type), mesh, placements, shape=torch.Size(shape),
+                              stride=tuple(stride))

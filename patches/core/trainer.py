@@ -4,15 +4,20 @@ A recipe supplies its pieces as a :class:`Recipe` subclass (as torchtitan's ``Mo
 diffusion-pipe's per-model class do); :func:`run` calls them in a fixed order, each step a short named
 function here:
 
-1. :func:`build` -- ``recipe.build(stack)``: config checks, data, model, optimizer: the stock recipe.
-2. ``recipe.attach_levers(stack)``: the levers the flags ask for (each an object attached to what it
-   acts on; the loop never branches on a flag).
+0. :func:`preflight` -- ``recipe.preflight()``: every input the user controls is checked (what
+   ``--validate-only`` runs), then the settings of the newest checkpoint, if any, are compared with this
+   run's (:mod:`patches.core.settings`). Nothing is built or written before both pass.
    The run folder is then locked (:func:`~patches.core.lock.hold_run_lock`): a second run into it stops
    with one error naming the process that holds it.
+1. :func:`build` -- ``recipe.build(stack)``: data, model, optimizer: the stock recipe.
+2. ``recipe.attach_levers(stack)``: the levers the flags ask for (each an object attached to what it
+   acts on; the loop never branches on a flag).
 3. :func:`resume` -- the newest readable checkpoint of :attr:`Recipe.checkpoints`, if any, goes to
-   ``recipe.load_state_dict``; otherwise ``recipe.warm_start()``.
+   ``recipe.load_state_dict``; otherwise ``recipe.warm_start()``. Temporary files a killed save left and a
+   damaged newest checkpoint (skipped for the one before it) are each reported in one line.
 4. :func:`loop` -- ``recipe.train_step(step)`` for every step left, a progress bar, and a checkpoint
-   (``recipe.state_dict()`` on every rank, written by rank 0) wherever ``recipe.save_due(done)`` says.
+   (``recipe.state_dict()`` on every rank, written by rank 0, with ``recipe.training_settings()``) wherever
+   ``recipe.save_due(done)`` says.
 5. :func:`finish` -- ``recipe.summary(...)``, written atomically as ``<run dir>/summary.json``.
 
 Anything a recipe registers on ``stack`` (a background sampler, a worker thread) is closed whether the
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import settings as settingsmod
 from .checkpoint import CheckpointManager
 from .io import atomic_write_json
 from .lock import hold_run_lock
@@ -51,7 +57,7 @@ class StepResult:
 
 
 class Recipe(abc.ABC):
-    """Per-recipe pieces of the skeleton. Subclasses set the attributes in ``build``.
+    """Per-recipe pieces of the skeleton. Subclasses set the attributes in ``preflight`` (or earlier).
 
     Attributes:
         run_dir: the run's output folder (``summary.json``, ``checkpoints/``).
@@ -68,10 +74,26 @@ class Recipe(abc.ABC):
     """What one step of :meth:`train_step` is called in messages (``iteration``, ``rollout``)."""
     more_hint: str = "raise the step count to train further"
     """How to train further, shown when the run is already done."""
+    adjustable_settings: frozenset[str] = frozenset()
+    """Names in :meth:`training_settings` that may change between a run and its resume (applied, and said)."""
+
+    def preflight(self) -> None:
+        """Check every input the user controls, writing nothing (what ``--validate-only`` runs).
+
+        Raises:
+            UserError: one line naming the bad input and the fix.
+        """
+
+    def training_settings(self) -> dict[str, Any]:
+        """The settings that decide what this run trains (stored in each checkpoint, compared on resume).
+
+        A flat ``{name: JSON-like value}``, names spelled as the user sets them. Default: none.
+        """
+        return {}
 
     @abc.abstractmethod
     def build(self, stack: contextlib.ExitStack) -> None:
-        """Check the inputs, then build data, model and optimizer as the stock recipe does."""
+        """Build data, model and optimizer as the stock recipe does (the inputs passed :meth:`preflight`)."""
 
     def attach_levers(self, stack: contextlib.ExitStack) -> None:
         """Attach the levers the environment flags ask for (none by default)."""
@@ -105,20 +127,56 @@ class Recipe(abc.ABC):
             print(f"onecard: resumed from {path} at {self.unit} {step}", flush=True)
 
 
+def preflight(recipe: Recipe) -> None:
+    """Step 0: the recipe's input checks, then its settings against the newest readable checkpoint's.
+
+    The checkpoint is memory-mapped (only its small pickle is read) and read silently: :func:`resume`
+    reports a damaged one.
+
+    Raises:
+        UserError: bad input; :class:`~patches.core.settings.SettingsChanged` when a resume would train
+            something else than the run it continues.
+    """
+    recipe.preflight()
+    found = recipe.checkpoints.load_latest(on_damaged=lambda _msg: None, mmap=True)
+    if found is not None:
+        path, state = found
+        settingsmod.compare(state.get(settingsmod.KEY), recipe.training_settings(),
+                            adjustable=recipe.adjustable_settings, checkpoint=str(path))
+
+
 def build(recipe: Recipe, stack: contextlib.ExitStack) -> None:
     """Steps 1-2: the stock recipe, then its levers."""
     recipe.build(stack)
     recipe.attach_levers(stack)
 
 
+def _report(recipe: Recipe, line: str) -> None:
+    """One ``onecard:`` line on stderr from rank 0 (warnings a user should see, outside the progress bar)."""
+    if recipe.main_rank:
+        print(f"onecard: {line}", file=sys.stderr, flush=True)
+
+
 def resume(recipe: Recipe) -> int:
-    """Step 3: load the newest readable checkpoint (or warm-start); returns the first step to train."""
-    recipe.checkpoints.clean_stale()
-    found = recipe.checkpoints.load_latest()
+    """Step 3: load the newest readable checkpoint (or warm-start); returns the first step to train.
+
+    Says, one line each: the temporary files a killed save left (removed), a damaged checkpoint skipped for
+    the one before it, and each adjustable setting the resume changes.
+    """
+    stale = recipe.checkpoints.clean_stale()
+    if stale:
+        _report(recipe, f"removed {len(stale)} temporary file(s) a killed save left in {recipe.checkpoints.dir} "
+                     f"({', '.join(p.name for p in stale[:3])})")
+    found = recipe.checkpoints.load_latest(on_damaged=lambda msg: _report(recipe, f"warning: {msg}"))
     if found is None:
         recipe.warm_start()
         return 0
     path, state = found
+    notes = settingsmod.compare(state.get(settingsmod.KEY), recipe.training_settings(),
+                                adjustable=recipe.adjustable_settings, checkpoint=str(path))
+    for note in notes:
+        if recipe.main_rank:
+            print(f"onecard: {note}", flush=True)
     start = recipe.load_state_dict(state)
     recipe.on_resume(path, start)
     return start
@@ -142,7 +200,9 @@ def loop(recipe: Recipe, start: int) -> tuple[list[StepResult], Path | None]:
             bar.update(1)
             done = step + 1
             if recipe.save_due(done):
-                saved = recipe.checkpoints.save(done, recipe.state_dict())
+                state = recipe.state_dict()  # every rank: gathering a sharded state is collective
+                state[settingsmod.KEY] = recipe.training_settings()
+                saved = recipe.checkpoints.save(done, state)
                 last = saved or last
     finally:
         bar.close()
@@ -168,10 +228,11 @@ def nothing_to_do(recipe: Recipe, start: int) -> dict[str, Any]:
 
 
 def run(recipe: Recipe) -> dict[str, Any]:
-    """Build, attach the levers, resume, train, summarise; returns the summary."""
+    """Check, lock, build, attach the levers, resume, train, summarise; returns the summary."""
     with contextlib.ExitStack() as stack:
-        build(recipe, stack)
+        preflight(recipe)
         stack.enter_context(hold_run_lock(recipe.run_dir, enabled=recipe.main_rank))
+        build(recipe, stack)
         start = resume(recipe)
         if start >= recipe.max_steps:
             return nothing_to_do(recipe, start)

@@ -5,6 +5,11 @@ updated after every optimizer step with the upstream power-EMA beta: ``placement
 fp32 clone, foreach mul + add over every parameter) and ``placement="cpu_subset"`` (the lever: fp32 host
 buffers over the trainable subset, async copy + worker-thread lerp). Trainable keys must be ``torch.equal`` -- bit-exact, no tolerance. Frozen keys must equal ``net``.
 Planted bugs at the end show each comparison can fail.
+
+Both sides of the A/B share ``_lerp_`` and ``power_ema_beta``, so independent anchors pin the stock side to
+upstream: gamma and beta(0..3) written out, the update rule on a 3-element parameter worked by hand for 4 steps,
+and diffusers' ``EMAModel`` driven with the same betas. The CUDA tests make the lever's two stream orderings race
+for real (``torch.cuda._sleep`` holds a stream), each with a planted variant that lacks the wait.
 """
 
 from __future__ import annotations
@@ -68,6 +73,67 @@ def test_beta_schedule_matches_upstream_values():
     # sigma_rel identity the cubic comes from
     g = GAMMA
     assert ((g + 1) / ((g + 2) ** 2 * (g + 3))) ** 0.5 == pytest.approx(0.1, rel=1e-9)
+
+
+# ------------------------------------------------------------------------- independent anchors
+# The A/B below compares two placements that share ``_lerp_`` and ``power_ema_beta``; these pin both to the
+# upstream formulas: gamma = largest real root of g^3 + 7 g^2 + (16 - s^-2) g + (12 - s^-2) at s = 0.1,
+# beta(i) = (1 - 1/(i+1))^(gamma+1) (0 for i < 1), ema = beta * ema + (1 - beta) * param after each step.
+HAND_GAMMA = 6.9372039
+HAND_BETAS = [0.0, 0.0040800317, 0.0400246705, 0.1019379200]  # beta(0..3)
+HAND_PARAMS = [[1.0, -2.0, 0.5], [3.0, 1.0, -1.5], [-0.5, 4.0, 2.0], [2.0, 0.0, 1.0]]  # net after steps 0..3
+HAND_EMA = [  # written out: ema_i = b_i * ema_(i-1) + (1 - b_i) * p_i, from ema = [0.25] * 3
+    [1.0, -2.0, 0.5],  # b_0 = 0: re-seeded from net
+    [2.9918399, 0.9877599, -1.4918399],  # 0.00408 * [1, -2, .5] + 0.99592 * [3, 1, -1.5]
+    [-0.3602403, 3.8794361, 1.8602403],
+    [1.7594020, 0.3954616, 1.0876911],
+]
+
+
+def _one_param_module(value) -> torch.nn.Module:
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(torch.tensor(value))
+    return m
+
+
+def test_gamma_and_betas_by_hand():
+    assert power_ema_gamma(0.1) == pytest.approx(HAND_GAMMA, abs=1e-7)
+    assert [power_ema_beta(i, GAMMA) for i in range(4)] == pytest.approx(HAND_BETAS, rel=1e-8, abs=1e-12)
+
+
+@pytest.mark.parametrize("placement", ["device", "cpu_subset"])
+def test_update_rule_by_hand(placement):
+    module = _one_param_module([0.25, 0.25, 0.25])
+    ema = EMA(module, placement=placement, trainable=["w"] if placement == "cpu_subset" else None)
+    for i, (p, want) in enumerate(zip(HAND_PARAMS, HAND_EMA)):
+        with torch.no_grad():
+            module.w.copy_(torch.tensor(p))
+        ema.step(power_ema_beta(i, GAMMA))
+        torch.testing.assert_close(ema.state_dict()["shadow"]["w"], torch.tensor(want), rtol=0, atol=2e-6)
+    assert ema.num_updates == 4 and ema.last_beta == pytest.approx(HAND_BETAS[3], rel=1e-8)
+    ema.close()
+
+
+@pytest.mark.parametrize("placement", ["device", "cpu_subset"])
+def test_update_rule_equals_diffusers_ema_model(placement):
+    """diffusers' ``EMAModel`` (``s -= (1 - decay) * (s - p)``), driven with decay = beta(i) at every step: its first
+    step uses decay 0, as beta(0) = 0."""
+    from diffusers.training_utils import EMAModel
+
+    g = torch.Generator().manual_seed(0)
+    module = _one_param_module(torch.randn(64, generator=g).tolist())
+    ema = EMA(module, placement=placement, trainable=["w"] if placement == "cpu_subset" else None)
+    ref = EMAModel([module.w], decay=0.0, min_decay=0.0, update_after_step=0, use_ema_warmup=False, foreach=False)
+    for i in range(6):
+        with torch.no_grad():
+            module.w.add_(torch.randn(64, generator=g))
+        beta = power_ema_beta(i, GAMMA)
+        ref.decay = ref.min_decay = beta
+        ref.step([module.w])
+        ema.step(beta)
+        assert ref.cur_decay_value == beta
+    torch.testing.assert_close(ema.state_dict()["shadow"]["w"], ref.shadow_params[0], rtol=1e-6, atol=1e-6)
+    ema.close()
 
 
 def test_bad_rate_is_refused():
@@ -238,6 +304,118 @@ def test_cuda_event_gated_copy_equals_stock_gpu_ema(dtype):
     assert lever.pinned_bytes == lever.host_bytes > 0
     assert all(t.is_pinned() for t in lever.shadow)
     assert trainable_equal(model, trainable, stock, lever)
+
+
+# The lever's two CUDA orderings, with the race made real: ``torch.cuda._sleep`` holds a stream for ~0.1 s, so
+# a missing wait shows every time instead of once in a while. Each test also runs a planted variant without
+# the wait, which must fail it.
+_CUDA_SLEEP_CYCLES = 2_000_000_000  # ~1 s at ~2 GHz: far longer than the host needs to issue the next ops
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+
+
+class _NoPreStepWait(CpuSubsetPlacement):
+    """Planted bug: the optimizer pre-step hook does not wait for the copy's event."""
+
+    def before_optimizer_step(self):
+        pass
+
+
+class _NoReadyWait(CpuSubsetPlacement):
+    """Planted bug: the side stream copies without waiting for the optimizer step's event."""
+
+    def _issue_copies(self, sources):
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._copy_stream):
+            for dst, src in zip(self.staging, sources):
+                dst.copy_(src, non_blocking=True)
+            done.record()
+        self._copy_done = done
+        return _CopyHandle(event=done)
+
+
+class _LerpWithoutEvent(CpuSubsetPlacement):
+    """Planted bug: the host lerp reads the staging buffers without waiting for the copy's event."""
+
+    def _host_lerp(self, handle, beta):
+        class _NoWait:
+            def wait(self):
+                pass
+
+        super()._host_lerp(_NoWait(), beta)
+        handle.wait()
+
+
+def _cuda_ema(placement):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024, bias=False).cuda()  # 4 MiB: the copy takes real time too
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ema = EMA(model, placement=placement)
+    ema.attach_optimizer(opt)
+    return model.weight, opt, ema
+
+
+def _sgd_step(p, opt, grad: float) -> None:
+    p.grad = torch.full_like(p, grad)
+    opt.step()
+
+
+@_needs_cuda
+@pytest.mark.parametrize("placement, exact", [(CpuSubsetPlacement, True), (_NoPreStepWait, False)],
+                         ids=["lever", "planted-no-pre-step-wait"])
+def test_cuda_race_next_optimizer_step_waits_for_the_copy(placement, exact):
+    """The side stream is held before the D2H copy; the next optimizer step writes the parameters right after
+    ``ema.step``. The EMA (beta 0: it becomes the copied values) must hold the values from before that write."""
+    p, opt, ema = _cuda_ema(placement)
+    _sgd_step(p, opt, 1.0)
+    before = p.detach().cpu()
+    with torch.cuda.stream(ema._impl._copy_stream):
+        torch.cuda._sleep(_CUDA_SLEEP_CYCLES)
+    ema.step(0.0)
+    _sgd_step(p, opt, 5.0)  # the pre-step hook must hold this write until the copy has landed
+    ema.synchronize()
+    torch.cuda.synchronize()
+    assert torch.equal(ema.shadow[0], before) is exact
+    assert not torch.equal(p.detach().cpu(), before)
+    ema.close()
+
+
+@_needs_cuda
+@pytest.mark.parametrize("placement, exact", [(CpuSubsetPlacement, True), (_NoReadyWait, False)],
+                         ids=["lever", "planted-copy-without-ready-event"])
+def test_cuda_race_copy_waits_for_the_optimizer_step(placement, exact):
+    """The training stream is held before the optimizer step; the copy issued by ``ema.step`` right after must
+    still see the step's values."""
+    p, opt, ema = _cuda_ema(placement)
+    _sgd_step(p, opt, 0.0)  # warm-up: the first launches load kernels and can outlast the sleep below
+    ema.step(0.0)
+    ema.synchronize()
+    torch.cuda.synchronize()
+    old = p.detach().cpu()
+    torch.cuda._sleep(_CUDA_SLEEP_CYCLES)  # on the current (training) stream
+    _sgd_step(p, opt, 1.0)
+    ema.step(0.0)
+    ema.synchronize()
+    torch.cuda.synchronize()
+    after = p.detach().cpu()
+    assert not torch.equal(after, old)
+    assert torch.equal(ema.shadow[0], after) is exact
+    ema.close()
+
+
+@_needs_cuda
+@pytest.mark.parametrize("placement, exact", [(CpuSubsetPlacement, True), (_LerpWithoutEvent, False)],
+                         ids=["lever", "planted-lerp-without-copy-event"])
+def test_cuda_race_host_lerp_waits_for_the_copy_event(placement, exact):
+    """The side stream is held before the D2H copy; the worker's lerp must wait for the copy's event."""
+    p, opt, ema = _cuda_ema(placement)
+    _sgd_step(p, opt, 1.0)
+    with torch.cuda.stream(ema._impl._copy_stream):
+        torch.cuda._sleep(_CUDA_SLEEP_CYCLES)
+    ema.step(0.0)
+    ema.synchronize()
+    torch.cuda.synchronize()
+    assert torch.equal(ema.shadow[0], p.detach().cpu()) is exact
+    ema.close()
 
 
 # -------------------------------------------------------------------------------- planted bugs

@@ -1,6 +1,8 @@
 """FSDP2 policy for H3 + LoRA: what FSDP2 and PEFT actually do, and the properties the 1-GPU port relies on.
 
-One launch of 2 gloo ranks (tiny H3, LoRA rank 8, bf16 master, CPU offload, param_dtype bf16) checks:
+One launch of 2 gloo ranks (tiny H3, LoRA rank 8, bf16 master, CPU offload, param_dtype bf16; the model built by
+the trainer's own ``H3SFTRecipe._build_model``, so LoRA is attached before the FSDP policy's master-dtype pass, as
+in a real run) checks:
 
 - **What FSDP2 requires** (torch 2.13): a unit holding a frozen bf16 parameter and a trainable fp32 one trains
   fine; a unit holding trainable bf16 *and* fp32 parameters raises ``FSDP expects uniform original parameter
@@ -9,7 +11,8 @@ One launch of 2 gloo ranks (tiny H3, LoRA rank 8, bf16 master, CPU offload, para
   ``lora_A``'s FSDP hook gathers it, so an adapter unit that is not gathered with its block fails with a dtype
   mismatch; :func:`miles_ext.fsdp_policy.apply_fsdp2` gathers it with the block (and then trains).
 - **Unit layout** of ``apply_fsdp2``: one adapter unit per block holding only fp32 LoRA parameters; block, norm
-  and root units hold no trainable parameter; everything (sharded params, grads) lives on the host.
+  and root units hold no trainable parameter; everything (sharded params, grads) lives on the host. The adapters
+  compute in the base's ``param_dtype`` (bf16), as under upstream's single policy.
 - **Gradient accumulation adds under offload**: grads after micro-batches A then B equal grads(A) + grads(B)
   bitwise (the same fp32 additions). Planted bug: an accumulation that overwrites (grads(B) alone) fails it.
 - **clip_offloaded_grad_norm** over sharded host gradients: the total norm equals the norm of the full
@@ -21,6 +24,7 @@ The master-dtype proof (bf16 master == fp32 master) is ``test_h3_fsdp_policy_mas
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -85,21 +89,41 @@ def _adapter_unit_without_block_gather() -> str:
         return f"RuntimeError: {e}"
 
 
+def _trainer_model(run_dir: str) -> nn.Module:
+    """The model exactly as ``miles_ext.train`` builds it (``H3SFTRecipe._build_model``, its call order and
+    arguments): the base built in the bf16 master dtype, LoRA attached, gradient checkpointing, then
+    ``apply_fsdp2(cpu_offload=True, master_dtype=bf16)`` with the policy's defaults -- the master-dtype pass runs
+    with the adapters already in the model."""
+    from miles_ext.presets import get_preset
+    from miles_ext.train import H3SFTConfig, H3SFTRecipe
+
+    recipe = H3SFTRecipe(H3SFTConfig(preset="tiny", lora_rank=8, lora_alpha=16, fsdp_cpu_offload=True, seed=0,
+                                     output_dir=run_dir))
+    recipe.master, recipe.preset, recipe.device = torch.bfloat16, get_preset("tiny"), torch.device("cpu")
+    recipe._build_model()
+    return recipe.model
+
+
 def _worker(rank: int, world: int, out: str) -> None:
-    from miles_ext.fsdp_policy import fsdp_units
+    from miles_ext.fsdp_policy import _adapter_linears, fsdp_units
     from miles_ext.lora import lora_parameters
-    from miles_ext.tiny_run import make_lora_model, synthetic_pairs
+    from miles_ext.tiny_run import synthetic_pairs
 
     res: dict[str, Any] = {"dtype_rule": _dtype_rule(), "no_block_gather": _adapter_unit_without_block_gather()}
 
-    model = make_lora_model(master_dtype="bf16")
-    apply_fsdp2(model, cpu_offload=True, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, mesh=cpu_mesh())
+    model = _trainer_model(str(Path(out).parent / f"run{rank}"))
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     res["units"] = [(mods, {n: (d, n in trainable) for n, d in params.items()}) for mods, params in fsdp_units(model)]
     lora = lora_parameters(model)
     pairs = synthetic_pairs(2)
 
+    compute: set[tuple[torch.dtype, torch.dtype]] = set()  # (input, weight) dtypes each adapter linear computes in
+    hooks = [m.register_forward_pre_hook(lambda mod, args: compute.add((args[0].dtype, mod.weight.dtype)))
+             for m in _adapter_linears(model)]
     _micro_batch_loss(model, pairs, 0).backward()
+    for h in hooks:
+        h.remove()
+    res["adapter_compute"] = compute
     res["grad_devices"] = {p.grad.to_local().device.type for p in lora.values()}
     res["param_devices"] = {p.to_local().device.type for p in model.parameters()}
     g_a = _full_grads(lora)
@@ -153,6 +177,12 @@ def test_adapters_have_their_own_fp32_units(res):
     root = next(u for u in units if u[0] == ["<root>"])
     assert root[1]["proj_out.weight"][0] == torch.float32  # _keep_in_fp32_modules stored fp32
     assert root[1]["context_embedder.weight"][0] == torch.bfloat16
+
+
+def test_adapters_compute_in_the_base_param_dtype(res):
+    """Upstream's single policy: adapters stored fp32 (above) but gathered and computed at ``param_dtype`` bf16,
+    like the base they sit in."""
+    assert res["adapter_compute"] == {(torch.bfloat16, torch.bfloat16)}
 
 
 def test_everything_is_offloaded_to_the_host(res):

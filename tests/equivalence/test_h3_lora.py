@@ -38,6 +38,29 @@ def test_lora_on_bf16_base_is_fp32_trainable_and_initialised_as_on_fp32():
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
+def test_trainer_order_keeps_adapters_fp32():
+    """As ``miles_ext.train`` builds the model: the base built in the bf16 master dtype, LoRA attached, then the FSDP
+    policy's master-dtype pass (``apply_fsdp2(master_dtype=...)`` runs ``set_master_dtype`` first) with the
+    adapters already in the model. They must stay fp32, trainable, with the fp32-base init; the base is bf16."""
+    from miles_ext.fsdp_policy import set_master_dtype
+
+    ref = lora_parameters(_lora(torch.float32))
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = build_transformer("tiny")
+    finally:
+        torch.set_default_dtype(prev)
+    torch.manual_seed(1)
+    attach_lora(model, rank=8, alpha=16)
+    set_master_dtype(model, "bf16")
+    got = lora_parameters(model)
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in got.values())
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert model.transformer_blocks[0].attn.to_q.base_layer.weight.dtype == torch.bfloat16
+
+
 def test_planted_plain_peft_init_on_bf16_differs():
     from peft import LoraConfig, get_peft_model
 

@@ -34,6 +34,11 @@ and the naive seed mapping of a plain 1-GPU run (``microbatch_id`` counted over 
 only scales the gradients (x8); the active clip and Adam's scale invariance hide a scale from the weights, so
 that bug is visible in the gradients only -- which is why the gradients, not just the weights, are compared.
 
+Independent anchor: both sides run the same normaliser, so a scale they share (``loss_sum / (2 num_local_pairs)``)
+would pass the proof; the step-1 gradients of the 8- and 2-rank runs and of their emulations are therefore also
+compared (rtol 1e-6) with the mean over the step's 8 pair losses written out in one process
+(``test_h3_sft.py`` pins the per-rank ``loss_sum / num_local_pairs`` by hand too).
+
 Ranks are real processes in a gloo group (:func:`tests.equivalence.h3_ranks.launch`: forkserver, free port).
 """
 
@@ -194,6 +199,36 @@ def test_planted_bug_breaks_the_proof(results, bug):
     # compares gradients, not only weights. The data bugs also show in the weights.
     if bug != "bug_per_micro_batch_mean":
         assert rel_err(ref["weights"], got["weights"]) > 100 * RTOL["adamw"]
+
+
+def _hand_step_grads(world: int) -> dict[str, torch.Tensor]:
+    """Step 1's gradient written out, in one process without FSDP: (sum over the step's 8 pairs of their pair
+    loss, each drawn with the seed identity of the rank that trains it under ``world`` ranks) / 8."""
+    from miles_ext.lora import lora_parameters
+    from miles_ext.sft import draw_micro_batch, pair_loss
+    from miles_ext.tiny_run import make_lora_model, synthetic_pairs
+
+    pairs = synthetic_pairs(GBS * STEPS_PER_ROLLOUT)
+    model = make_lora_model()
+    losses = []
+    for rank in range(world):
+        for slot in rank_schedule(GBS, world, rank, STEPS_PER_ROLLOUT, MBS)[0]:
+            noised = draw_micro_batch([pairs[i] for i in slot.pairs], seed=SEED, rollout_id=slot.rollout_id,
+                                      microbatch_id=slot.microbatch_id, dp_rank=slot.dp_rank)
+            losses += [pair_loss(model, x) for x in noised]
+    assert len(losses) == GBS == 8
+    lora = lora_parameters(model)
+    return dict(zip(lora, torch.autograd.grad(torch.stack(losses).sum() / 8, list(lora.values()))))
+
+
+@pytest.mark.parametrize("world", (8, 2))
+def test_gradient_scale_equals_the_hand_computed_mean_over_pairs(results, world):
+    """Independent anchor: both sides of the topology proof run ``loss_over_local_pairs``, so a scale they share
+    would pass it. The real N-rank FSDP2 gradients and their 1-rank emulation must both equal the mean over the
+    step's pairs computed by hand (loss_sum / num_local_pairs per rank, then FSDP2's mean over ranks)."""
+    hand = _hand_step_grads(world)
+    for got in (results[f"world{world}"]["adamw"]["grads"], results[f"emulate{world}"]["adamw"]["grads"]):
+        assert rel_err(hand, got) <= RTOL["grads"]
 
 
 def test_emulations_of_different_topologies_differ(results):

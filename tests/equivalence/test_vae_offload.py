@@ -4,7 +4,9 @@ Proof: latents from the resident VAE and from the same VAE after attaching :clas
 cycling it through ``on_device()`` (the one way to the device) are ``torch.equal``; the state_dict (dtype, shape, stride, value per tensor) and the
 buffer set are unchanged. Planted bugs show the proof can fail: a host copy in the wrong dtype, and an
 unpark that allocates without copying. CPU tests use the ``tiny`` preset (Wan2.2 layout, base_dim 8) and
-a 1x3x9x32x32 float32 clip; the CUDA test runs the same proof on the GPU.
+a 1x3x9x32x32 float32 clip; the CUDA test runs the same proof on the GPU. Since the A/B compares the encoder
+with itself, an independent anchor pins ``encode_latents`` to diffusers' posterior ``mode()`` normalised with
+Wan2.2's statistics (a posterior sample, or another normalisation, fails it).
 """
 
 from __future__ import annotations
@@ -251,6 +253,27 @@ def test_offload_from_env() -> None:
     assert vo.offload_from_env(vae, "cpu", environ={}) is None
     off = vo.offload_from_env(vae, "cpu", environ={"COSMOS_VAE_CPU_OFFLOAD": "1"})
     assert isinstance(off, VAEOffload) and vo.get_offload(vae) is off
+
+
+# ----------------------------------------------------------------------------------- independent anchor
+
+
+def test_encode_is_the_normalised_posterior_mean() -> None:
+    """The A/B above compares the encoder with itself; this pins it to upstream's rule with diffusers' own
+    posterior: ``(mode() - latents_mean) / latents_std`` (the mean, no sampling; Wan2.2's 48-channel stats)."""
+    vae = _tiny_vae()
+    video = _clip()
+    assert list(vae.config.latents_mean[:3]) == [-0.2289, -0.0052, -0.1323]  # upstream's Wan2.2 values
+    assert list(vae.config.latents_std[:3]) == [0.4765, 1.0364, 0.4514]
+    with torch.no_grad():
+        posterior = vae.encode(video).latent_dist
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    want = (posterior.mode() - mean) / std
+    torch.testing.assert_close(encode_latents(vae, video), want, rtol=1e-5, atol=1e-6)
+    # the anchor has power: a posterior sample (any seed) is far from the mean on this VAE
+    sample = (posterior.sample(torch.Generator().manual_seed(0)) - mean) / std
+    assert not torch.allclose(sample, want, rtol=1e-2, atol=1e-2)
 
 
 # ---------------------------------------------------------------------------------------- planted bugs

@@ -51,7 +51,12 @@ def micro_batch(iteration: int, micro: int, n_samples: int = 2):
 
 
 def loss_of(model: torch.nn.Module, samples, grad_accum: int = GRAD_ACCUM, loss_fn=micro_batch_loss) -> torch.Tensor:
-    """Forward one packed micro-batch and return the loss the trainer would backward."""
+    """Forward one packed micro-batch and return the loss the trainer would backward.
+
+    The micro-batch's segment masks stay on the processor until the next micro-batch replaces them, as in the
+    trainer (which clears them only after ``backward``): under activation checkpointing the backward re-runs
+    the forward, and without the masks that re-run would attend across samples.
+    """
     ref = next(model.parameters())
     xt, targets = [], []
     for _, x0, sigma, noise in samples:
@@ -61,12 +66,8 @@ def loss_of(model: torch.nn.Module, samples, grad_accum: int = GRAD_ACCUM, loss_
     sigmas = torch.tensor([s[2] for s in samples])
     kwargs, segs = build_packed_inputs(model.config, [s[0] for s in samples], xt, sigmas, [24.0] * len(samples),
                                        ref.device)
-    proc = model.layers[0].self_attn.processor
-    proc.segments = segs
-    try:
-        preds = model(**kwargs).sample
-    finally:
-        proc.segments = None
+    model.layers[0].self_attn.processor.segments = segs
+    preds = model(**kwargs).sample
     return loss_fn(preds, targets, 10.0, grad_accum)
 
 

@@ -1,0 +1,50 @@
+"""Checks a launcher runs before any rank starts: each failure is one :class:`~patches.core.errors.UserError`
+line naming the input and the fix, and none of them leaves anything behind.
+
+Both recipes' ``preflight`` steps (what ``--validate-only`` runs) use these for the inputs they share: the
+output folder, a rendezvous port, whole-number settings. The dataset and checkpoint checks live with the
+recipe that knows the format.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+from .ports import check_port_free  # noqa: F401 - one place for every pre-flight check
+
+
+def check_writable(folder: str | Path, name: str) -> Path:
+    """That ``folder`` (created later if missing) can be written, without creating it.
+
+    The nearest existing folder on its path must be a folder (not a regular file), and a temporary file
+    created there must be creatable; it is removed at once. Returns ``folder`` as a :class:`Path`.
+
+    Raises:
+        UserError: ``folder`` is under a regular file, or the nearest existing folder is not writable.
+    """
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor))
+    if not existing.is_dir():
+        raise UserError(f"{name}={folder} cannot be created: {existing} is a regular file, not a folder; "
+                        f"point {name} at a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".onecard-write-test-", dir=existing)
+    except OSError as e:
+        raise UserError(f"{name}={folder} is not writable ({existing}: {e.strerror}); point {name} at a "
+                        "folder you can write") from None
+    os.close(fd)
+    os.unlink(tmp)
+    return folder
+
+
+def check_at_least(value: int | float, minimum: int | float, name: str, hint: str = "") -> None:
+    """``value >= minimum``, or one error naming ``name``, its value and ``hint`` (how to fix it).
+
+    Raises:
+        UserError: ``value < minimum``.
+    """
+    if value < minimum:
+        raise UserError(f"{name} = {value} must be >= {minimum}{'; ' + hint if hint else ''}")

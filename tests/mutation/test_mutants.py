@@ -1,0 +1,63 @@
+"""The mutation list (``tests/mutation/mutants.toml``) stays valid: every snippet is found exactly once in the source
+it names, every named test exists, and the list covers every planted bug README names and every kind of bug a
+mutation run found surviving. Fast (no test is run); ``python tests/mutation/run.py`` runs the mutants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.mutation import run as mutation
+
+README_PLANTED_BUGS = {
+    "bf16 shadow", "wrong beta", "skipped update", "read before copy event", "dtype change on park",
+    "unpark without copy", "<= fit rule", "no look-ahead", "per-token mean", "missing ÷ grad_accum",
+    "missing segment masks", "world-size term in the batch",
+    "per-micro-batch mean instead of loss_sum/num_local_pairs", "wrong seed mapping", "bf16 adapters",
+    "plain PEFT init on a bf16 base",
+}
+SURVIVOR_KINDS = {  # what survived a mutation run before the independent anchors existed
+    "EMA update rule", "trainer beta(iteration - 1)", "resume loses the EMA counter",
+    "VAE encode: posterior sample instead of mean", "loss scale", "sum instead of mean over samples",
+    "velocity target sign", "H3 gradient scale", "bf16 adapters (trainer call order)", "adapter compute dtype",
+    "ComfyUI alpha", "CUDA ordering: optimizer pre-step wait", "CUDA ordering: copy after the optimizer step",
+    "drop counter",
+}
+
+
+@pytest.fixture(scope="module")
+def mutants() -> list[mutation.Mutant]:
+    return mutation.load_mutants()
+
+
+def test_every_snippet_is_found_once_and_every_test_exists(mutants):
+    assert len(mutants) >= 45
+    assert mutation.problems(mutants) == []
+
+
+def test_the_list_covers_the_planted_bugs_and_the_survivors(mutants):
+    kinds = {m.kind for m in mutants}
+    assert README_PLANTED_BUGS - kinds == set()
+    assert SURVIVOR_KINDS - kinds == set()
+    assert {m.kind for m in mutants if m.cuda} >= {k for k in SURVIVOR_KINDS if k.startswith("CUDA")}
+
+
+def test_a_stale_snippet_is_refused(tmp_path: Path):
+    (tmp_path / "m.py").write_text("x = 1\nx = 1\n")
+    twice = mutation.Mutant("twice", "k", "m.py", "x = 1", "x = 2", ("t",))
+    absent = mutation.Mutant("absent", "k", "m.py", "y = 1", "y = 2", ("t",))
+    for m in (twice, absent):
+        with pytest.raises(mutation.StaleList, match="needs exactly 1"):
+            mutation.apply(m, tmp_path)
+    assert (tmp_path / "m.py").read_text() == "x = 1\nx = 1\n"
+    once = mutation.Mutant("once", "k", "m.py", "x = 1\nx", "x = 3\nx", ("t",))
+    mutation.apply(once, tmp_path)
+    assert (tmp_path / "m.py").read_text() == "x = 3\nx = 1\n"
+
+
+def test_node_ids_are_checked():
+    assert mutation.node_exists("tests/mutation/test_mutants.py::test_node_ids_are_checked")
+    assert mutation.node_exists("tests/equivalence/test_ema.py::test_update_rule_by_hand[device]")
+    assert not mutation.node_exists("tests/mutation/test_mutants.py::test_no_such_test")
+    assert not mutation.node_exists("tests/no_such_file.py::test_x")
