@@ -44,15 +44,7 @@ def recipe_toml(tmp_path: Path, **values: str) -> Path:
     return path
 
 
-@pytest.fixture()
-def env(tmp_path, monkeypatch, sample_dataset):
-    monkeypatch.setenv("OUTPUT_ROOT", str(tmp_path / "out"))
-    monkeypatch.setenv("DATASET_PATH", str(sample_dataset))
-    monkeypatch.setenv("COSMOS_EMA_CPU_SUBSET", "1")
-    monkeypatch.setenv("COSMOS_VAE_CPU_OFFLOAD", "1")
-    for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    return tmp_path
+from tests.test_train import env  # noqa: E402,F401 - the same fixture: a private output folder, both levers on
 
 
 def run_main(args, capsys) -> tuple[int, str, str]:

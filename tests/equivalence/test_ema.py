@@ -444,16 +444,8 @@ class _SlowCopy(CpuSubsetPlacement):
         return _CopyHandle(waiter=th.join)
 
 
-class _ReadsBeforeCopy(_SlowCopy):
-    """Planted bug: the lerp reads the staging buffers without waiting for the copy's event."""
-
-    def _host_lerp(self, handle, beta):
-        class _NoWait:
-            def wait(self):
-                pass
-
-        super()._host_lerp(_NoWait(), beta)
-        handle.wait()
+class _ReadsBeforeCopy(_LerpWithoutEvent, _SlowCopy):
+    """Planted bug: the lerp reads the staging buffers without waiting for the (slow) copy's event."""
 
 
 def test_slow_copy_gated_by_its_event_is_still_exact():

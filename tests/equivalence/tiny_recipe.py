@@ -7,9 +7,7 @@ Inputs are random latents, so no dataset or VAE is needed.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -90,15 +88,7 @@ def train(model, opt, start: int, stop: int, after_step: Callable[[int], None] |
 
 
 # ----------------------------------------------------------------- several ranks on the CPU (gloo, spawn)
-@contextlib.contextmanager
-def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
-    """This spawned process as ``rank`` of a gloo process group, torn down on exit."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group()
+from .h3_ranks import gloo_rank  # noqa: E402,F401 - one helper for every rank launch
 
 
 def make_fsdp_model() -> tuple[torch.nn.Module, list[str]]:
