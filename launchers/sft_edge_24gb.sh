@@ -105,6 +105,11 @@ train=(-m cosmos_framework_ext.train --sft-toml="$TOML_FILE" "$@")
 # a resume's settings against the checkpoint's. Bad input then ends with the trainer's one error line and exit
 # status 2, with nothing written, before torchrun wraps anything in its report.
 "$PYTHON" "${train[@]}" --validate-only >/dev/null || exit $?
+if [[ "${NPROC_PER_NODE:-1}" == 1 && "${NNODES:-1}" == 1 ]]; then
+  # One process: no torchrun around it, so an error found only now (say, another run took the output
+  # folder's lock after the check above) is still one error line and exit status 2, with no torchrun report.
+  exec "$PYTHON" "${train[@]}" --videos-checked
+fi
 exec "$PYTHON" -m torch.distributed.run \
   --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
   --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="$MASTER_PORT" \
