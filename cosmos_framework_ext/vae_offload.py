@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from patches.core.host_arena import HostArena
+from patches.core.runtime import GiB
 
 __all__ = [
     "OFFLOAD_ATTR",
@@ -396,8 +397,8 @@ class VAEOffload:
     def __repr__(self) -> str:
         return (
             f"VAEOffload({type(self.module).__name__}, device={self.device}, parked={self._parked}, "
-            f"tensors={self.num_tensors}, host={self.host_bytes / 2**30:.3f} GiB, "
-            f"pinned={self.pinned_bytes / 2**30:.3f} GiB, resident={list(self.resident_attrs)})"
+            f"tensors={self.num_tensors}, host={self.host_bytes / GiB:.3f} GiB, "
+            f"pinned={self.pinned_bytes / GiB:.3f} GiB, resident={list(self.resident_attrs)})"
         )
 
 
@@ -653,5 +654,5 @@ def measure_round_trip(offload: VAEOffload, n: int = 10, *, warmup: int = 1) -> 
         "median_unpark_s": med_up,
         "median_park_s": statistics.median(parks),
         "bytes": nbytes,
-        "unpark_gib_per_s": nbytes / 2**30 / med_up if med_up > 0 else math.inf,
+        "unpark_gib_per_s": nbytes / GiB / med_up if med_up > 0 else math.inf,
     }

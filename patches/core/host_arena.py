@@ -16,6 +16,8 @@ import weakref
 
 import torch
 
+from .runtime import GiB
+
 _ALIGN = 64  # bytes; every view starts on a 64-byte boundary
 _live: "weakref.WeakSet[HostArena]" = weakref.WeakSet()
 _lock = threading.Lock()
@@ -60,7 +62,7 @@ class HostArena:
             rc = torch.cuda.cudart().cudaHostRegister(self._buf.data_ptr(), total, 0)
             if int(rc) != 0:
                 raise RuntimeError(
-                    f"cudaHostRegister of {total / 2**30:.2f} GiB for {name} failed (error {int(rc)}): "
+                    f"cudaHostRegister of {total / GiB:.2f} GiB for {name} failed (error {int(rc)}): "
                     "raise the locked-memory limit (ulimit -l) or free host memory"
                 )
             self.pinned_bytes = total

@@ -81,10 +81,10 @@ from typing import Any, Iterator
 import torch
 
 from .io import atomic_open
+from .runtime import GiB
 
 __all__ = ["MemorySampler", "COLUMNS", "IDLE"]
 
-GiB = 2**30
 IDLE = "idle"
 COLUMNS = (
     "t_s",

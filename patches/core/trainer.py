@@ -151,10 +151,11 @@ def build(recipe: Recipe, stack: contextlib.ExitStack) -> None:
     recipe.attach_levers(stack)
 
 
-def _report(recipe: Recipe, line: str) -> None:
-    """One ``onecard:`` line on stderr from rank 0 (warnings a user should see, outside the progress bar)."""
+def _report(recipe: Recipe, line: str, file=None) -> None:
+    """One ``onecard:`` line from rank 0: on stderr by default (warnings a user should see, outside the
+    progress bar), or on ``file``."""
     if recipe.main_rank:
-        print(f"onecard: {line}", file=sys.stderr, flush=True)
+        print(f"onecard: {line}", file=file or sys.stderr, flush=True)
 
 
 def resume(recipe: Recipe) -> int:
@@ -175,8 +176,7 @@ def resume(recipe: Recipe) -> int:
     notes = settingsmod.compare(state.get(settingsmod.KEY), recipe.training_settings(),
                                 adjustable=recipe.adjustable_settings, checkpoint=str(path))
     for note in notes:
-        if recipe.main_rank:
-            print(f"onecard: {note}", flush=True)
+        _report(recipe, note, file=sys.stdout)
     start = recipe.load_state_dict(state)
     recipe.on_resume(path, start)
     return start
