@@ -12,7 +12,11 @@ init. So, before MODULE runs:
   (``LOCAL_RANK``) is capped with ``torch.cuda.set_per_process_memory_fraction``: the caching allocator
   then fails with an out-of-memory error where a card that size would;
 * at exit, one line reports the rank's peak allocated and reserved memory (``torch.cuda.max_memory_*``);
-* ``wandb.util.generate_id`` is supplied when the installed wandb lacks it (see :func:`_wandb_compat`).
+* ``wandb.util.generate_id`` is supplied when the installed wandb lacks it (see :func:`_wandb_compat`);
+* with ``ONECARD_MEMORY_HISTORY=DIR``, the allocator's history is recorded from before the first CUDA
+  allocation (``torch.cuda.memory._record_memory_history``, Python stacks, ``ONECARD_MEMORY_HISTORY_MAX``
+  events, default 2,000,000), and at exit ``DIR/memory-rank<R>.json`` gets :func:`memtimeline.analyse`'s
+  report: the peak, what was live at it grouped by the upstream line that allocated it, and a timeline.
 
 MODULE then runs as ``python -m`` would run it (``sys.path[0]`` is the working directory).
 """
@@ -61,7 +65,36 @@ def _cap_and_report(rank: str) -> None:
         print(f"onecard memcap[rank {rank}]: cuda:{device} peak allocated {alloc:.2f} GiB, peak reserved "
               f"{reserved:.2f} GiB{cap}", file=sys.stderr, flush=True)
 
+    history = os.environ.get("ONECARD_MEMORY_HISTORY", "").strip()
+    if history:
+        torch.cuda.memory._record_memory_history(
+            max_entries=int(os.environ.get("ONECARD_MEMORY_HISTORY_MAX", "2000000")), stacks="python")
+
+    def dump_history() -> None:
+        try:
+            import json
+            import time
+
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from memtimeline import analyse
+
+            t = time.perf_counter()
+            snap = torch.cuda.memory._snapshot()
+            rep = analyse(snap, device, max_allocated=torch.cuda.max_memory_allocated(device))
+            os.makedirs(history, exist_ok=True)
+            path = os.path.join(history, f"memory-rank{rank}.json")
+            with open(path + ".tmp", "w") as fh:
+                json.dump(rep, fh, indent=1)
+            os.replace(path + ".tmp", path)
+            print(f"onecard memcap[rank {rank}]: memory history ({rep['events']} events, replayed peak "
+                  f"{rep['peak_GiB']:.2f} GiB) -> {path} in {time.perf_counter() - t:.1f} s",
+                  file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - never mask the run's own error
+            print(f"onecard memcap[rank {rank}]: memory history not written: {exc!r}", file=sys.stderr, flush=True)
+
     atexit.register(report)
+    if history:
+        atexit.register(dump_history)  # atexit runs last-registered first: the report then follows
 
 
 def _wandb_compat() -> None:
