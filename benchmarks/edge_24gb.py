@@ -1,21 +1,57 @@
-"""Stock vs levers for the Cosmos3-Edge 24 GB recipe, in ONE run on one GPU.
+"""Stock vs levers for the Cosmos3-Edge 24 GB recipe, in ONE run on one GPU (or a CPU smoke of the same code).
 
-    python benchmarks/edge_24gb.py [--budget-gib 22.06] [--steps 7] [--out benchmarks/results]
+    python benchmarks/edge_24gb.py [--budget-gib 22.06] [--steps 3] [--grad-accum 8] [--out benchmarks/results]
+    python benchmarks/edge_24gb.py --smoke --out /tmp/bench      # CPU, tiny preset: tests the benchmark itself
 
-The ``edge`` preset at cap 12288 (``benchmarks/edge_24gb.toml``: EMA on, grad_accum_iter 2; step 1 is
-warm-up) runs under these configurations, one after another in this process:
+The ``edge`` preset at cap 12288 (``benchmarks/edge_24gb.toml``: EMA on; ``grad_accum_iter`` set by
+``--grad-accum``, default 8; step 1 is warm-up) runs under these configurations, one after another in this
+process (``--only`` picks some, ``--list`` names them all):
 
-1. stock on the uncapped card: EMA as a full fp32 clone on the GPU, VAE resident;
-2. stock, card capped at ``--budget-gib`` with ``torch.cuda.set_per_process_memory_fraction``;
-3. EMA lever only (``COSMOS_EMA_CPU_SUBSET=1``), capped;
-4. VAE lever only (``COSMOS_VAE_CPU_OFFLOAD=1``), capped;
-5. both levers, capped.
+1. ``stock (uncapped card)``: EMA as a full fp32 clone on the GPU, VAE resident and encoding online, dense-mask
+   attention, no compile;
+2. ``levers 1+2``: ``COSMOS_EMA_CPU_SUBSET=1 COSMOS_VAE_CPU_OFFLOAD=1``, card capped at ``--budget-gib``
+   (``torch.cuda.set_per_process_memory_fraction``) -- the recipe as it shipped before lever 4;
+3. ``+ latent cache``: also ``COSMOS_LATENT_CACHE=1`` (its pre-pass runs cold into a fresh
+   ``ONECARD_LATENT_CACHE``; later configurations find every entry);
+4. ``+ block-sparse attention``: also ``[onecard] attention = "flex"``;
+5. ``all levers``: also ``[model.compile] enabled = true``.
 
-For each: peak allocated and reserved GiB, the ledger's predicted allocated peak and its error, median s
-per micro-batch and per optimizer step (after warm-up), the EMA's time on the critical path per optimizer
-step, VAE park + unpark time per micro-batch, host RSS peak and pinned bytes. A configuration that runs
-out of memory is reported as such, with the peak it reached. Writes ``edge_24gb.json`` and
-``edge_24gb.md`` into ``--out``.
+Optional (``--only``): ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
+
+Configurations 4 and 5 need the trainer's packed-attention setting (``[onecard] attention = "flex"``, or
+``[model.attention] impl``: ``ATTENTION_PLACES``); a trainer whose schema has neither reports them as
+``skipped``.
+
+**Reported per configuration:** median s per micro-batch and per optimizer step (steps after the first),
+s per sample (measured micro-batch time / samples), peak allocated and reserved GiB, the ledger's prediction,
+model FLOPs utilisation, the latent cache's pre-pass (s, hits, misses, bytes; **not** part of any step time),
+the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS and pinned bytes, and the
+change of s/sample against configuration 1. A configuration that runs out of memory is reported as such
+with the peak it reached. Writes ``edge_24gb.json`` and ``edge_24gb.md`` into ``--out``.
+
+**Model FLOPs** (:func:`model_flops`; recompute from activation checkpointing is *not* counted, so this is
+model, not hardware, FLOPs utilisation). ``6 x N_trainable x tokens`` is wrong for this partially frozen,
+two-pathway model: text (understanding) tokens run through the frozen ``und`` weights, vision (generation)
+tokens through the trainable ``moe_gen``/``add_*`` weights, and text tokens never attend to vision tokens, so
+nothing upstream of a text activation requires grad and autograd runs no backward through the ``und``
+weights at all. Per micro-batch, with ``N_p`` the matmul parameters a token of pathway ``p`` passes
+(2-D weights, counted from the model built on the meta device: :func:`pathway_params`), ``T_p`` its tokens,
+``g_p`` = 1 when pathway ``p``'s activations require grad (a trainable weight upstream of them), and
+``N_p^train`` its trainable part::
+
+    linear   = sum_p T_p * (2 N_p            forward
+                            + 2 N_p g_p      backward: activation gradients (frozen weights: only these)
+                            + 2 N_p^train)   backward: weight gradients
+    attention = sum_layers sum_samples d * (4 * u (u + 1) / 2           text queries, causal, forward only
+                                            + (4 + 8 g_gen) * v (u + v))  vision queries see the whole sample
+
+with ``u``/``v`` a sample's text/vision tokens and ``d`` = heads x head_dim (query width): ``QK^T`` and ``PV``
+are 2 x 2·d FLOPs per (query, key) pair forward, their backward twice that. For ``keys_to_select`` of the
+recipe this is ``2 N_und T_und + 6 N_gen T_gen + attention``. Utilisation = model FLOPs / measured micro-batch
+seconds / peak; the optimizer step (once per ``grad_accum_iter`` micro-batches) is outside the micro-batch
+time. **Peak:** ``--peak-tflops``, default for an H100/H200 989 TFLOP/s dense BF16 (NVIDIA's H100/H200 SXM
+datasheet: 1,979 TFLOP/s with 2:4 sparsity, half that dense; ``/work/shared/limits.md`` of this project gives
+only a measured 750-776 TFLOP/s for a bf16 GEMM 8192^3, reported beside it as the achievable ceiling).
 
 Random weights: the timings and memory are those of the real architecture, the losses mean nothing.
 """
@@ -23,9 +59,11 @@ Random weights: the timings and memory are those of the real architecture, the l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -36,120 +74,333 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from cosmos_framework_ext import train  # noqa: E402
+from cosmos_framework_ext import packing, train  # noqa: E402
+from patches.core import trainer as skeleton  # noqa: E402
 from patches.core.runtime import GiB  # noqa: E402
 
-EMA, VAE = "COSMOS_EMA_CPU_SUBSET", "COSMOS_VAE_CPU_OFFLOAD"
+EMA, VAE, CACHE = "COSMOS_EMA_CPU_SUBSET", "COSMOS_VAE_CPU_OFFLOAD", "COSMOS_LATENT_CACHE"
+ATTENTION_PLACES = (("onecard", "attention"), ("model.attention", "impl"))
+"""Where the trainer's schema may hold the packed-attention choice, as (table, key), first found wins: the
+``attn`` lever put it in ``[onecard] attention``; the issue proposed ``[model.attention] impl`` (marked option)."""
+ATTENTION_FLEX = "flex"
+"""The value that selects block-sparse (flex_attention) packed attention."""
+H100_H200_DENSE_BF16_TFLOPS = 989.0
+"""NVIDIA H100/H200 SXM datasheet, dense BF16 (1,979 with 2:4 sparsity)."""
+MEASURED_GEMM_TFLOPS = 776.0
+"""/work/shared/limits.md: bf16 GEMM 8192^3 on the project's H200, 750-776 TFLOP/s (the achievable ceiling)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One benchmark configuration."""
+
+    name: str
+    """Row name."""
+    flags: dict
+    """Lever environment flags."""
+    capped: bool
+    """Cap the card at ``--budget-gib``."""
+    attention: str = ""
+    """``[model.attention] impl`` to set (empty: leave the trainer's default, the dense-mask reference)."""
+    compile: bool = False
+    """``[model.compile] enabled``."""
+
+
+OFF = {EMA: "0", VAE: "0", CACHE: "0"}
 CONFIGS = [
-    ("stock, uncapped card", {EMA: "0", VAE: "0"}, False),
-    ("stock", {EMA: "0", VAE: "0"}, True),
-    ("EMA lever", {EMA: "1", VAE: "0"}, True),
-    ("VAE lever", {EMA: "0", VAE: "1"}, True),
-    ("both levers", {EMA: "1", VAE: "1"}, True),
+    Config("stock (uncapped card)", OFF, False),
+    Config("levers 1+2", {EMA: "1", VAE: "1", CACHE: "0"}, True),
+    Config("+ latent cache", {EMA: "1", VAE: "1", CACHE: "1"}, True),
+    Config("+ block-sparse attention", {EMA: "1", VAE: "1", CACHE: "1"}, True, attention=ATTENTION_FLEX),
+    Config("all levers", {EMA: "1", VAE: "1", CACHE: "1"}, True, attention=ATTENTION_FLEX, compile=True),
+]
+OPTIONAL = [
+    Config("stock", OFF, True),
+    Config("EMA lever", {EMA: "1", VAE: "0", CACHE: "0"}, True),
+    Config("VAE lever", {EMA: "0", VAE: "1", CACHE: "0"}, True),
 ]
 
 
-def run_one(name: str, flags: dict[str, str], capped: bool, budget_gib: float, steps: int, out_root: str) -> dict:
-    os.environ.update(flags, OUTPUT_ROOT=os.path.join(out_root, name.replace(" ", "_").replace(",", "")))
-    if capped:
-        os.environ["ONECARD_GPU_MEMORY_GIB"] = str(budget_gib)
+# ---------------------------------------------------------------------------------------------- FLOPs
+_GEN = ("moe_gen", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "proj_in", "proj_out", "time_embedder")
+"""Name parts of the parameters a vision (generation) token passes; every other matmul weight is text's."""
+_UNUSED = ("embed_tokens", "lm_head")
+"""A lookup (no FLOPs) and the LM head, which the diffusion forward does not run."""
+
+
+def pathway_params(preset_name: str, keys_to_select: list[str]) -> dict:
+    """Matmul parameters per token of each pathway, from the model built on the meta device.
+
+    Returns ``{"und": N, "gen": N, "und_train": N, "gen_train": N, "layers": L, "d_attn": heads x head_dim}``
+    (2-D weights only; norms, biases and the embedding lookup are left out: < 0.1 % of the FLOPs).
+    """
+    from cosmos_framework_ext.presets import build_transformer, get_preset, select_trainable
+
+    preset = get_preset(preset_name)
+    model = build_transformer(preset, device="meta")
+    names = dict(model.named_parameters())
+    trainable = set(select_trainable(list(names), keys_to_select))
+    out = {"und": 0, "gen": 0, "und_train": 0, "gen_train": 0}
+    for n, p in names.items():
+        if p.dim() != 2 or any(u in n for u in _UNUSED):
+            continue
+        path = "gen" if any(g in n for g in _GEN) else "und"
+        out[path] += p.numel()
+        if n in trainable:
+            out[f"{path}_train"] += p.numel()
+    t = preset.transformer
+    out["layers"] = t["num_hidden_layers"]
+    out["d_attn"] = t["num_attention_heads"] * t["head_dim"]
+    return out
+
+
+def model_flops(samples: list[tuple[int, int]], p: dict) -> float:
+    """Model FLOPs of one packed micro-batch's forward + backward (formula: module docstring).
+
+    Args:
+        samples: ``(text_tokens, vision_tokens)`` per sample (``SftSample.und_tokens``/``gen_tokens``).
+        p: :func:`pathway_params`.
+    """
+    g_gen = 1 if p["gen_train"] else 0  # proj_in is the gen stream's first op: trainable -> its activations need grad
+    g_und = 1 if p["und_train"] else 0  # text activations need grad only below a trainable text weight
+    t_und = sum(u for u, _ in samples)
+    t_gen = sum(v for _, v in samples)
+    linear = (t_und * (2 * p["und"] + 2 * p["und"] * g_und + 2 * p["und_train"])
+              + t_gen * (2 * p["gen"] + 2 * p["gen"] * g_gen + 2 * p["gen_train"]))
+    attn = p["layers"] * p["d_attn"] * sum(4 * u * (u + 1) / 2 + (4 + 8 * g_gen) * v * (u + v) for u, v in samples)
+    return float(linear + attn)
+
+
+def peak_flops(device: str, override_tflops: float | None) -> tuple[float | None, str]:
+    """``(peak FLOP/s, where it comes from)`` for the card: ``--peak-tflops``, else 989 TFLOP/s on an H100/H200."""
+    if override_tflops:
+        return override_tflops * 1e12, "--peak-tflops"
+    if "H200" in device or "H100" in device:
+        return H100_H200_DENSE_BF16_TFLOPS * 1e12, "NVIDIA H100/H200 SXM datasheet, dense BF16"
+    return None, "unknown card: pass --peak-tflops"
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def attention_place() -> tuple[str, str] | None:
+    """``(table, key)`` of the packed-attention choice in the trainer's schema, or ``None`` (the ``attn`` lever)."""
+    from cosmos_framework_ext.config import SFTConfig
+
+    for table, key in ATTENTION_PLACES:
+        cls = SFTConfig
+        for part in table.split("."):
+            field = {f.name: f for f in dataclasses.fields(cls)}.get(part)
+            cls = field.default_factory if field is not None and dataclasses.is_dataclass(field.default_factory) else None
+            if cls is None:
+                break
+        if cls is not None and key in {f.name for f in dataclasses.fields(cls)}:
+            return table, key
+    return None
+
+
+def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path) -> Path:
+    """``edge_24gb.toml`` with this configuration's grad_accum_iter, compile and attention settings (and the same
+    values for the CPU smoke's ``cpu_*`` keys)."""
+    text = (HERE / "edge_24gb.toml").read_text()
+    subs = [
+        (r"(?m)^grad_accum_iter\s*=.*$", f"grad_accum_iter         = {grad_accum}"),
+        (r"(?m)^cpu_grad_accum_iter\s*=.*$", f"cpu_grad_accum_iter     = {grad_accum}"),
+        (r"(?m)^cpu_max_iter\s*=.*$", f"cpu_max_iter            = {steps}"),
+        (r"(?m)^(\[model\.compile\]\s*\nenabled\s*=\s*)\S+", rf"\g<1>{'true' if cfg.compile else 'false'}"),
+    ]
+    for pattern, repl in subs:
+        text, n = re.subn(pattern, repl, text)
+        if n != 1:
+            raise RuntimeError(f"edge_24gb.toml: expected one match of {pattern!r}")
+    place = attention_place()
+    if cfg.attention and place is not None:
+        table, key = place
+        line = f'{key} = "{cfg.attention}"'
+        if f"[{table}]\n" in text:
+            text = text.replace(f"[{table}]\n", f"[{table}]\n{line}\n", 1)
+        else:
+            text += f"\n[{table}]\n{line}\n"
+    path = dest / f"{slug(cfg.name)}.toml"
+    path.write_text(text)
+    return path
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def replay_samples(recipe: train.CosmosSFT) -> list[list[tuple[int, int]]]:
+    """``(text, vision)`` tokens of every micro-batch the run consumed, from a fresh loader with the same seed
+    (the loader is deterministic; nothing is decoded)."""
+    src = recipe.loader.source
+    loader = packing.PackingLoader(src, cap=recipe.cap, rank=recipe.rank, world_size=recipe.world,
+                                   seed=recipe.cfg.onecard.seed)
+    it = iter(loader)
+    return [[(s.und_tokens, s.gen_tokens) for s in next(it)] for _ in range(recipe.consumed)]
+
+
+def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | None, peak: float | None) -> dict:
+    cuda = torch.cuda.is_available()
+    os.environ.update(cfg.flags, OUTPUT_ROOT=str(tmp / "out" / slug(cfg.name)))
+    if cfg.capped and cuda:
+        os.environ["ONECARD_GPU_MEMORY_GIB"] = str(args.budget_gib)
     else:
         os.environ.pop("ONECARD_GPU_MEMORY_GIB", None)
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    torch.cuda.reset_peak_memory_stats()
-    args = train.parse_args(["--sft-toml", str(HERE / "edge_24gb.toml"), "--max-iter", str(steps), "--no-save"])
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    row: dict = {"config": cfg.name, "capped_gib": args.budget_gib if cfg.capped and cuda else None,
+                 "attention": cfg.attention or "default (dense masks)", "compile": cfg.compile}
+    if cfg.attention and attention_place() is None:
+        row.update(status="skipped: the trainer's schema has no packed-attention setting")
+        return row
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp)
+    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--max-iter", str(args.steps), "--no-save"]))
     t0 = time.perf_counter()
-    row: dict = {"config": name, "capped_gib": budget_gib if capped else None}
     try:
-        s = train.run(args)
+        s = skeleton.run(recipe)
     except torch.OutOfMemoryError as e:
         row.update(status="out of memory", peak_gpu_gib=torch.cuda.max_memory_allocated() / GiB,
                    peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / GiB, error=str(e).split("\n")[0][:300])
-    else:
-        vae = s["vae_offload"]
-        row.update(
-            status="ok",
-            steps=s["steps"],
-            peak_gpu_gib=s["peak_gpu_gib"],
-            peak_gpu_reserved_gib=s["peak_gpu_reserved_gib"],
-            predicted_gpu_gib=s["ledger"]["predicted_gpu_allocated_gib"],
-            s_per_micro_batch=s["s_per_micro_batch_median"],
-            s_per_step=s["s_per_step_median"],
-            ema_critical_path_s=(s["ema"] or {}).get("critical_path_s_median"),
-            vae_park_unpark_s_per_micro_batch=(
-                (vae["park_seconds"] + vae["unpark_seconds"]) / max(vae["unpark_count"], 1) if vae else None),
-            peak_host_rss_gib=s["peak_host_rss_gib"],
-            pinned_gib=s["pinned_bytes"] / GiB,
-            samples_per_step=s["samples_per_optimizer_step"],
-        )
+        row["wall_s"] = time.perf_counter() - t0
+        return row
+    ga = recipe.ga
+    measured = slice(ga, None) if len(recipe.micro_times) > ga else slice(None)
+    times = recipe.micro_times[measured]
+    batches = replay_samples(recipe)[measured]
+    n_samples = sum(len(b) for b in batches)
+    vae = s["vae_offload"]
+    cache = s.get("latent_cache")
+    row.update(
+        status="ok", steps=s["steps"], grad_accum_iter=ga, preset=s["preset"], cap=s["cap"],
+        peak_gpu_gib=s["peak_gpu_gib"], peak_gpu_reserved_gib=s["peak_gpu_reserved_gib"],
+        predicted_gpu_gib=s["ledger"]["predicted_gpu_allocated_gib"],
+        s_per_micro_batch=s["s_per_micro_batch_median"], s_per_step=s["s_per_step_median"],
+        s_per_sample=sum(times) / n_samples if n_samples else None,
+        measured_micro_batches=len(times), measured_samples=n_samples,
+        tokens_per_micro_batch=sorted(sum(u + v for u, v in b) for b in batches),
+        ema_critical_path_s=(s["ema"] or {}).get("critical_path_s_median"),
+        vae_park_unpark_s_per_micro_batch=(
+            (vae["park_seconds"] + vae["unpark_seconds"]) / max(vae["unpark_count"], 1) if vae else None),
+        prepass_s=cache["seconds"] if cache else None,
+        prepass=None if not cache else {k: cache[k] for k in ("entries", "hits", "misses", "corrupt", "bytes_on_disk",
+                                                             "encode_seconds")},
+        peak_host_rss_gib=s["peak_host_rss_gib"], pinned_gib=s["pinned_bytes"] / GiB,
+        samples_per_step=s["samples_per_optimizer_step"],
+    )
+    if flops_p is not None and times:
+        flops = sum(model_flops(b, flops_p) for b in batches)
+        row["model_tflops_per_micro_batch"] = flops / len(times) / 1e12
+        row["model_tflop_per_s"] = flops / sum(times) / 1e12
+        row["mfu"] = flops / sum(times) / peak if peak else None
+        row["mfu_vs_measured_gemm"] = flops / sum(times) / (MEASURED_GEMM_TFLOPS * 1e12) if cuda else None
+    if row["peak_gpu_gib"]:
         row["ledger_error_pct"] = 100.0 * (row["predicted_gpu_gib"] - row["peak_gpu_gib"]) / row["peak_gpu_gib"]
     row["wall_s"] = time.perf_counter() - t0
+    del recipe
     return row
 
 
-def keep_timeline(name: str, out_root: str, dest: Path) -> None:
+def keep_timeline(name: str, tmp: Path, dest: Path) -> None:
     """Copy the run's memory.csv / memory.png to ``dest/<config>.memory.{csv,png}``."""
     import shutil
 
-    for f in Path(out_root, name.replace(" ", "_").replace(",", "")).rglob("memory.*"):
-        shutil.copyfile(f, dest / f"{name.replace(' ', '_').replace(',', '')}.{f.name}")
+    for f in (tmp / "out" / slug(name)).rglob("memory.*"):
+        shutil.copyfile(f, dest / f"{slug(name)}.{f.name}")
 
 
-def markdown(rows: list[dict], device: str, budget: float) -> str:
-    def f(v, fmt):
-        return "–" if v is None else format(v, fmt)
+def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: str) -> str:
+    def f(v, fmt, scale=1.0):
+        return "–" if v is None else format(v * scale, fmt)
 
-    head = (f"{time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}; edge preset, cap 12288, "
-            f"grad_accum_iter 2, EMA on; capped rows: card limited to {budget} GiB.\n\n"
-            "| config | status | peak alloc GiB | peak reserved GiB | ledger GiB (err) | s/micro-batch | s/step | "
-            "EMA critical path ms/step | VAE park+unpark ms/micro-batch | host RSS GiB | pinned GiB |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+    base = next((r for r in rows if r["config"] == CONFIGS[0].name and r.get("s_per_sample")), None)
+    head = (f"{time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}; preset {next((r['preset'] for r in rows if 'preset' in r), '?')}, "
+            f"cap {next((r['cap'] for r in rows if 'cap' in r), '?')}, grad_accum_iter {ga}, EMA on; capped rows: card limited to {budget} GiB. MFU: model FLOPs "
+            f"(fwd + bwd, no recompute) / micro-batch time / peak ({peak_note}); in brackets against the measured "
+            f"bf16 GEMM ceiling {MEASURED_GEMM_TFLOPS:.0f} TFLOP/s. Pre-pass: the latent cache's, before training, "
+            "in no step time.\n\n"
+            "| config | status | median s/micro-batch | s/step | s/sample (vs stock) | peak alloc GiB | peak reserved GiB "
+            "| ledger GiB (err) | model TFLOP/s | MFU | pre-pass s (hits/misses) | EMA crit. ms/step | "
+            "VAE park+unpark ms/micro-batch | host RSS GiB | pinned GiB |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for r in rows:
-        pred = f"{r['predicted_gpu_gib']:.2f} ({r['ledger_error_pct']:+.1f} %)" if r.get("predicted_gpu_gib") else "–"
-        ema = r.get("ema_critical_path_s")
-        vae = r.get("vae_park_unpark_s_per_micro_batch")
-        body += (f"| {r['config']} | {r['status']} | {f(r.get('peak_gpu_gib'), '.2f')} | "
-                 f"{f(r.get('peak_gpu_reserved_gib'), '.2f')} | {pred} | {f(r.get('s_per_micro_batch'), '.3f')} | "
-                 f"{f(r.get('s_per_step'), '.3f')} | {f(None if ema is None else ema * 1e3, '.1f')} | "
-                 f"{f(None if vae is None else vae * 1e3, '.1f')} | {f(r.get('peak_host_rss_gib'), '.1f')} | "
+        pred = f"{r['predicted_gpu_gib']:.2f} ({r['ledger_error_pct']:+.1f} %)" if r.get("ledger_error_pct") is not None else "–"
+        sps = r.get("s_per_sample")
+        vs = (f" ({100 * (sps / base['s_per_sample'] - 1):+.0f} %)" if sps and base and r is not base else "")
+        mfu = r.get("mfu")
+        mfu_s = "–" if mfu is None else f"{100 * mfu:.1f} %" + (
+            f" ({100 * r['mfu_vs_measured_gemm']:.1f} %)" if r.get("mfu_vs_measured_gemm") is not None else "")
+        pre = r.get("prepass")
+        pre_s = "–" if not pre else f"{r['prepass_s']:.1f} ({pre['hits']}/{pre['misses']})"
+        body += (f"| {r['config']} | {r['status']} | {f(r.get('s_per_micro_batch'), '.3f')} | "
+                 f"{f(r.get('s_per_step'), '.2f')} | {f(sps, '.4f')}{vs} | {f(r.get('peak_gpu_gib'), '.2f')} | "
+                 f"{f(r.get('peak_gpu_reserved_gib'), '.2f')} | {pred} | {f(r.get('model_tflop_per_s'), '.1f')} | "
+                 f"{mfu_s} | {pre_s} | {f(r.get('ema_critical_path_s'), '.1f', 1e3)} | "
+                 f"{f(r.get('vae_park_unpark_s_per_micro_batch'), '.1f', 1e3)} | {f(r.get('peak_host_rss_gib'), '.1f')} | "
                  f"{f(r.get('pinned_gib'), '.2f')} |\n")
     return head + body
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--budget-gib", type=float, default=22.06)
-    ap.add_argument("--steps", type=int, default=7, help="optimizer steps per configuration (>= 6: 1 warm-up + 5)")
+    ap.add_argument("--budget-gib", type=float, default=22.06, help="card cap of the capped rows (GiB)")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (>= 2: 1 warm-up)")
+    ap.add_argument("--grad-accum", type=int, default=8, help="grad_accum_iter (>= 8 on the GPU; default 8)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument("--only", default="", help="comma-separated config names to run (default: all)")
-    ap.add_argument("--timelines", default="both levers",
+    ap.add_argument("--only", default="", help="comma-separated config names to run (default: the five main ones)")
+    ap.add_argument("--list", action="store_true", help="list the configuration names and exit")
+    ap.add_argument("--timelines", default="all levers",
                     help="comma-separated config names whose memory timeline (CSV + PNG) to keep in --out")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the card's dense bf16 peak in TFLOP/s (default: 989 on an H100/H200)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU smoke of the benchmark itself (tiny preset; no GPU needed; any grad_accum)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: this benchmark needs a CUDA GPU", file=sys.stderr)
+    every = CONFIGS + OPTIONAL
+    if args.list:
+        print("\n".join(c.name for c in every))
+        return 0
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("error: this benchmark needs a CUDA GPU (or --smoke for the CPU smoke with the tiny preset)", file=sys.stderr)
         return 2
-    if args.steps < 6:
-        print("error: --steps must be >= 6 (1 warm-up + 5 measured)", file=sys.stderr)
+    if args.steps < 2:
+        print("error: --steps must be >= 2 (1 warm-up + measured)", file=sys.stderr)
         return 2
+    if args.grad_accum < (1 if args.smoke else 8):
+        print("error: --grad-accum must be >= 8 (>= 1 with --smoke)", file=sys.stderr)
+        return 2
+    only = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = [x for x in only if x not in {c.name for c in every}]
+    if unknown:
+        print(f"error: unknown configuration(s) {unknown}; --list names them", file=sys.stderr)
+        return 2
+    chosen = [c for c in every if c.name in only] if only else CONFIGS
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    peak, peak_note = peak_flops(device, args.peak_tflops)
+    keys = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
+    flops_p = pathway_params("edge" if cuda else "tiny", keys)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, flags, capped in CONFIGS:
-            if only and name not in only:
-                continue
-            rows.append(run_one(name, flags, capped, args.budget_gib, args.steps, tmp))
-            if args.timelines and name in args.timelines.split(","):
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        os.environ["ONECARD_LATENT_CACHE"] = str(tmp / "latents")  # cold for the first cache row, warm after
+        for cfg in chosen:
+            rows.append(run_one(cfg, args, tmp, flops_p, peak))
+            if args.timelines and cfg.name in args.timelines.split(","):
                 args.out.mkdir(parents=True, exist_ok=True)
-                keep_timeline(name, tmp, args.out)
+                keep_timeline(cfg.name, tmp, args.out)
             print(json.dumps(rows[-1]), flush=True)
             gc.collect()
-            torch.cuda.empty_cache()
-    device = torch.cuda.get_device_name()
+            if cuda:
+                torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "edge_24gb.json").write_text(json.dumps({"device": device, "rows": rows}, indent=2) + "\n")
-    md = markdown(rows, device, args.budget_gib)
+    meta = {"device": device, "torch": torch.__version__, "grad_accum_iter": args.grad_accum, "steps": args.steps,
+            "peak_tflops": None if peak is None else peak / 1e12, "peak_source": peak_note,
+            "pathway_params": flops_p, "rows": rows}
+    (args.out / "edge_24gb.json").write_text(json.dumps(meta, indent=2) + "\n")
+    md = markdown(rows, device, args.budget_gib, args.grad_accum, peak_note)
     (args.out / "edge_24gb.md").write_text(md)
     print(md)
     return 0

@@ -7,6 +7,10 @@ the joint sequence is laid out as ``[text_1 .. text_n | vision_1 .. vision_n]``;
 causally to earlier text tokens of its own sample, a vision token to all text and vision tokens of its own
 sample. With one sample the masks equal diffusers' (causal / full), so outputs match the stock processor.
 
+These dense [L, L] masks are the reference implementation. ``[onecard].attention = "flex"`` gives the processor
+:class:`~cosmos_framework_ext.attention_blocksparse.BlockSparseSegments` instead (``build_packed_inputs(...,
+impl="flex")``): the same rule as flex_attention block masks, O(L) mask memory, tiles of other samples skipped.
+
 Grouped-query heads are expanded before ``scaled_dot_product_attention`` so that the masked call can use
 the memory-efficient kernel (with ``enable_gqa`` and a mask PyTorch falls back to the O(L^2) math path).
 """
@@ -17,6 +21,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+ATTENTION_IMPLS = ("dense", "flex")
+"""Values of ``[onecard].attention``: dense segment masks (the reference) or flex_attention block masks."""
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -84,10 +92,14 @@ class PackedAttnProcessor:
         k_gen = k_gen * cos_gen + _rotate_half(k_gen) * sin_gen
 
         seg = self.segments
-        multi = seg is not None and not seg.single
-        causal_out = self._sdpa(q_und, k_und, v_und, seg.und_mask if multi else None, is_causal=True)
         all_k = torch.cat([k_und_for_gen, k_gen], dim=0)
         all_v = torch.cat([v_und, v_gen], dim=0)
+        if getattr(seg, "block_sparse", False):  # [onecard].attention = "flex": attention_blocksparse
+            causal_out = seg.attend_und(q_und, k_und, v_und)
+            full_out = seg.attend_gen(q_gen, all_k, all_v)
+            return attn.to_out(causal_out), attn.to_add_out(full_out)
+        multi = seg is not None and not seg.single
+        causal_out = self._sdpa(q_und, k_und, v_und, seg.und_mask if multi else None, is_causal=True)
         full_out = self._sdpa(q_gen, all_k, all_v, seg.gen_mask if multi else None, is_causal=False)
         return attn.to_out(causal_out), attn.to_add_out(full_out)
 
@@ -107,7 +119,9 @@ def build_packed_inputs(
     sigmas: torch.Tensor,
     fps: list[float],
     device: torch.device,
-) -> tuple[dict[str, Any], PackedSegments]:
+    impl: str = "dense",
+    block: int | None = None,
+) -> tuple[dict[str, Any], Any]:
     """Forward kwargs of ``Cosmos3OmniTransformer`` for one packed micro-batch.
 
     Layout ``[text_1 .. text_n | vision_1 .. vision_n]``; each sample's positions restart at 0 (text mRoPE
@@ -119,7 +133,18 @@ def build_packed_inputs(
         latents: per sample, the noisy latent [1, 48, T, H, W] (model dtype, on ``device``).
         sigmas: fp32 [n] flow-matching sigma per sample; the timestep fed is ``1000 * sigma``.
         fps: per sample, frames per second of the clip.
+        impl: ``"dense"``: :class:`PackedSegments` (boolean [L, L] masks, the reference); ``"flex"``:
+            :class:`~cosmos_framework_ext.attention_blocksparse.BlockSparseSegments` (block masks, O(L) memory).
+        block: flex tile edge in tokens (default :data:`~cosmos_framework_ext.attention_blocksparse.DEFAULT_BLOCK`).
+
+    Returns:
+        (forward kwargs, segments to set on the processor).
+
+    Raises:
+        ValueError: ``impl`` is neither ``"dense"`` nor ``"flex"``.
     """
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention impl {impl!r} is not one of {list(ATTENTION_IMPLS)}")
     from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import (
         get_3d_mrope_ids_text_tokens,
         get_3d_mrope_ids_vae_tokens,
@@ -159,5 +184,9 @@ def build_packed_inputs(
         vision_timesteps=torch.cat(timesteps).to(device),
         vision_noisy_frame_indexes=[torch.arange(s[0], device=device) for s in shapes],
     )
-    segs = PackedSegments(torch.cat(und_seg).to(device), torch.cat(gen_seg).to(device))
-    return kwargs, segs
+    und_segments, gen_segments = torch.cat(und_seg).to(device), torch.cat(gen_seg).to(device)
+    if impl == "flex":
+        from .attention_blocksparse import DEFAULT_BLOCK, BlockSparseSegments
+
+        return kwargs, BlockSparseSegments(und_segments, gen_segments, block or DEFAULT_BLOCK)
+    return kwargs, PackedSegments(und_segments, gen_segments)

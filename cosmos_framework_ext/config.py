@@ -26,7 +26,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 from patches.core.config import ConfigError, from_mapping
 from patches.core.errors import cli
@@ -90,16 +90,30 @@ class ParallelismConfig:
     """Ranks a parameter is sharded over (-1: all)."""
     data_parallel_replicate_degree: int = 1
     """Replicas of each shard."""
+    fsdp_master_dtype: str = "bfloat16"
+    """Storage dtype of the network's parameters on a GPU (upstream ``parallelism.fsdp_master_dtype``; the CPU
+    always runs fp32). ``"bfloat16"`` (default): the dtype ``precision`` computes in, as upstream ed8287f
+    builds ``net`` -- parameters, gradients and AdamW state bf16, nothing cast. ``"float32"``: upstream HEAD
+    (since cb76f47, e.g. 5eee9ed) -- fp32 master parameters, gradients and AdamW state, computed in
+    ``precision`` through FSDP2's ``MixedPrecisionPolicy`` at every world size (one rank included), gradients
+    reduced in ``fsdp_reduce_dtype``. Not in upstream's TOML schema: the copy for upstream drops it (upstream
+    then uses its own commit's dtypes; pass ``model.config.parallelism.fsdp_master_dtype=...`` to change them)."""
+    fsdp_reduce_dtype: str = "bfloat16"
+    """``MixedPrecisionPolicy.reduce_dtype`` when ``fsdp_master_dtype`` differs from ``precision``: upstream
+    HEAD's Edge recipe reduces in ``"bfloat16"`` (``configs/base/defaults/model.py``); ``"float32"`` reduces in
+    the master dtype. Unused with a bf16 master. Dropped from the upstream copy, as ``fsdp_master_dtype``."""
 
 
 @dataclasses.dataclass
 class CompileConfig:
-    """``[model.compile]``: upstream's ``torch.compile`` settings (read by the upstream trainer only)."""
+    """``[model.compile]``: upstream's ``torch.compile`` settings; the embedded trainer compiles each decoder
+    layer on a GPU (cosmos_framework_ext.compile_blocks; the CPU runs eagerly)."""
 
     enabled: bool = True
-    """Compile the network."""
+    """Compile the network (the embedded trainer: each decoder layer, on a GPU)."""
     compile_dynamic: bool = True
-    """Compile with dynamic shapes."""
+    """Compile with dynamic shapes (true: every size symbolic from the first compile; false: PyTorch's automatic
+    dynamic shapes, one more compile at the first length change). Never one compile per micro-batch length."""
 
 
 @dataclasses.dataclass
@@ -272,6 +286,12 @@ class OnecardConfig:
     """CPU smoke: > 0 replaces ``[trainer].grad_accum_iter``."""
     cpu_max_sequence_length: int = 0
     """CPU smoke: > 0 replaces ``[dataloader_train].max_sequence_length``."""
+    attention: Literal["dense", "flex"] = "dense"
+    """Packed attention of the embedded trainer. ``dense``: boolean [L, L] segment masks with
+    ``scaled_dot_product_attention`` (the reference; mask memory O(L^2), every L x L score computed). ``flex``:
+    the same rule as ``torch.nn.attention.flex_attention`` block masks (mask memory O(L), tiles of other samples
+    skipped; cosmos_framework_ext.attention_blocksparse). Equal outputs and gradients within 1e-6 relative in
+    fp32 (tests/equivalence/test_attention_blocksparse.py)."""
 
 
 @dataclasses.dataclass
@@ -361,6 +381,10 @@ def from_dict(data: Mapping[str, Any], source: Path | None = None) -> SFTConfig:
         raise ConfigError(f"{where}: keys outside any table: {loose}; put them in a [table]")
     _check_tables(data, SFTConfig, where)
     cfg = from_mapping(SFTConfig, _resolve_env(data), where)
+    par = cfg.model.parallelism
+    for key in _NOT_UPSTREAM:
+        if getattr(par, key) not in DTYPES:
+            raise ConfigError(f"{where}: [model.parallelism] {key} = {getattr(par, key)!r}; use one of {list(DTYPES)}")
     cfg.source = source
     return cfg
 
@@ -381,8 +405,15 @@ def load(path: str | Path) -> SFTConfig:
     return from_dict(data, p)
 
 
+_NOT_UPSTREAM = ("fsdp_master_dtype", "fsdp_reduce_dtype")
+"""``[model.parallelism]`` keys upstream's TOML schema does not have (Hydra overrides there): dropped from its copy."""
+DTYPES = ("bfloat16", "float32")
+"""Accepted values of ``[model.parallelism]`` ``fsdp_master_dtype`` and ``fsdp_reduce_dtype``."""
+
+
 def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
-    """Write ``src`` without its ``[onecard]`` table (upstream's schema forbids unknown keys) to ``dst``.
+    """Write ``src`` without its ``[onecard]`` table and the ``[model.parallelism]`` dtype keys upstream's schema
+    lacks (:data:`_NOT_UPSTREAM`; its schema forbids unknown keys) to ``dst``.
 
     The recipe is validated first. The text is copied line by line, so comments and ``${oc.env:...}``
     stay as written for upstream's resolver; ``dst`` is written atomically (temporary name + rename).
@@ -393,11 +424,15 @@ def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
     load(src)
     kept: list[str] = []
     skipping = False
+    table = ""
     for line in Path(src).read_text().splitlines(keepends=True):
         header = re.match(r"\s*\[\s*([A-Za-z0-9_.]+)\s*\]", line)
         if header:
             skipping = header.group(1) == "onecard" or header.group(1).startswith("onecard.")
-        if not skipping:
+            table = header.group(1)
+        key = re.match(r"\s*([A-Za-z0-9_]+)\s*=", line)
+        onecard_only = bool(not header and key and table == "model.parallelism" and key.group(1) in _NOT_UPSTREAM)
+        if not skipping and not onecard_only:
             kept.append(line)
     return atomic_write_text(dst, "".join(kept))
 

@@ -9,7 +9,9 @@ Exact components come from the model built on the meta device and from the dtype
   tensor per trainable tensor;
 - EMA: stock = fp32 clone of every parameter on the GPU; lever = fp32 host copy of the trainable subset
   plus a staging copy in the parameter dtype, both pinned;
-- VAE: its parameters in bf16, on the GPU (resident) or pinned on the host (lever).
+- VAE: its parameters in bf16, on the GPU (resident) or pinned on the host (lever 2); with the latent cache
+  (lever 4) nothing: training reads latents from disk, and the VAE is on the GPU only in the pre-pass that runs
+  before training, when no activations, gradients or optimizer state exist yet, and is freed after it.
 
 Activations are modelled, not counted: ``ACT_FIXED + ACT_PER_TOKEN_LAYER_HIDDEN x tokens x layers x
 hidden`` bytes with ``tokens = cap - 1`` (the fit rule is strict), full activation checkpointing. The two
@@ -25,7 +27,7 @@ import sys
 from typing import Any, Iterable
 
 from patches.core import flags as flagmod
-from patches.core.flags import EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
+from patches.core.flags import EMA_CPU_SUBSET, FROZEN_BF16, LATENT_CACHE, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
 from patches.core.ledger import Item, Ledger, parse_budget
 from patches.core.runtime import GiB
 
@@ -39,6 +41,8 @@ ACT_PER_TOKEN_LAYER_HIDDEN = 2.97
 """bytes per token x layer x hidden unit under full activation checkpointing (fitted)."""
 CUDA_CONTEXT = int(0.55 * GiB)
 """bytes: CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator (typical on Hopper)."""
+OPTIM_GROUP_BYTES = 256 << 20
+"""bytes: the optimizer-state lever's stream-group size (``OptimStateOffload``'s default ``group_bytes``)."""
 HOST_BASELINE = int(3.0 * GiB)
 """bytes: host RSS of the process before the levers' buffers (torch, CUDA libraries, decoded-clip cache)."""
 
@@ -58,6 +62,8 @@ def _counts(preset_name: str, keys: list[str]) -> dict[str, int]:
         "vae": sum(p.numel() for p in vae.parameters()),
         "layers": preset.transformer["num_hidden_layers"],
         "hidden": preset.transformer["hidden_size"],
+        "layer": sum(p.numel() for p in model.layers[0].parameters()),
+        "largest_train": max((params[n].numel() for n in trainable), default=0),
     }
 
 
@@ -95,24 +101,48 @@ def cosmos_ledger(
     ema_on = cfg.model.ema.enabled
     ema_lever = flags.get(EMA_CPU_SUBSET.name, False)
     vae_lever = flags.get(VAE_CPU_OFFLOAD.name, False)
-    dt = "bf16" if b == 2 else "fp32"
+    cache_lever = flags.get(LATENT_CACHE.name, False)
+    # upstream HEAD's dtypes: fp32 master (weights, gradients, AdamW state), compute in bf16 through FSDP2
+    mb = 4 if (bf16 and cfg.model.parallelism.fsdp_master_dtype == "float32") else b
+    mixed = mb != b
+    optim_lever = flags.get(OPTIM_STATE_OFFLOAD.name, False)
+    frozen_lever = flags.get(FROZEN_BF16.name, False) and mixed
+    dt = "bf16" if mb == 2 else "fp32"
+    frozen = c["all"] - c["train"]
+    state = shard(c["train"]) * 2 * mb
 
-    items = [
-        Item("weights", shard(c["all"]) * b + c["buffers"], note=f"{c['all']:,} params {dt}"
-             + (f", 1/{world_size} shard" if world_size > 1 else "")),
-        Item("gradients", shard(c["train"]) * b, note=f"trainable {c['train']:,} params {dt}"),
-        Item("AdamW state", shard(c["train"]) * 2 * b + c["train_tensors"] * 4,
-             note=f"exp_avg + exp_avg_sq {dt}, step fp32 x {c['train_tensors']} tensors"),
-    ]
+    if frozen_lever:
+        weights = Item("weights (frozen bf16, lever)", shard(frozen) * b + shard(c["train"]) * mb + c["buffers"],
+                       shard(frozen) * 4, note=f"{frozen:,} frozen bf16 on the GPU (fp32 on the host), "
+                       f"{c['train']:,} trainable {dt}")
+    else:
+        weights = Item("weights", shard(c["all"]) * mb + c["buffers"], note=f"{c['all']:,} params {dt}"
+                       + (f", 1/{world_size} shard" if world_size > 1 else ""))
+    items = [weights]
+    if mixed:
+        unsharded = (c["all"] - c["layers"] * c["layer"] + 2 * c["layer"]) * b
+        items.append(Item("FSDP2 bf16 compute copies", unsharded,
+                          note="root unit + 2 decoder layers gathered in bf16 (MixedPrecisionPolicy)"))
+    items.append(Item("gradients", shard(c["train"]) * mb, note=f"trainable {c['train']:,} params {dt}"))
+    if optim_lever:
+        in_flight = min(state, 3 * max(OPTIM_GROUP_BYTES, 2 * mb * c["largest_train"]))
+        items.append(Item("AdamW state (streamed, lever)", in_flight + c["train_tensors"] * 4, state, pinned=True,
+                          note=f"exp_avg + exp_avg_sq {dt} in a pinned host arena; <= 3 stream groups on the GPU"))
+    else:
+        items.append(Item("AdamW state", state + c["train_tensors"] * 4,
+                          note=f"exp_avg + exp_avg_sq {dt}, step fp32 x {c['train_tensors']} tensors"))
     if ema_on and ema_lever:
-        items.append(Item("EMA (CPU subset, lever)", 0, shard(c["train"]) * (4 + b), pinned=True,
+        items.append(Item("EMA (CPU subset, lever)", 0, shard(c["train"]) * (4 + mb), pinned=True,
                           note=f"fp32 trainable subset + {dt} staging, pinned host"))
     elif ema_on:
         items.append(Item("EMA (stock, fp32 clone)", shard(c["all"]) * 4, note="every parameter, fp32, on the GPU"))
     else:
         items.append(Item("EMA", 0, note="disabled in the TOML"))
     vae_bytes = c["vae"] * vae_b
-    if vae_lever:
+    if cache_lever:
+        items.append(Item("Wan2.2 VAE (latent cache, lever 4)", 0,
+                          note=f"{c['vae']:,} params: on the GPU only in the pre-pass before training, then freed"))
+    elif vae_lever:
         items.append(Item("Wan2.2 VAE (parked, lever)", 0, vae_bytes, pinned=True,
                           note=f"{c['vae']:,} params, on the GPU only while a micro-batch encodes"))
     else:
@@ -123,9 +153,11 @@ def cosmos_ledger(
                       note=f"{tokens:,} tokens x {c['layers']} layers x {c['hidden']} hidden, full AC (fitted)"))
     items.append(Item("host process baseline", 0, HOST_BASELINE, note="torch + CUDA libraries + clip cache (measured)"))
     outside = [Item("CUDA context", CUDA_CONTEXT if device_type == "cuda" else 0, note="outside the allocator budget")]
-    levers = ", ".join(f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD) if flags.get(f.name)) or "no levers"
+    levers = ", ".join(f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD,
+                                               FROZEN_BF16) if flags.get(f.name)) or "no levers"
     title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {grad_accum_iter or cfg.trainer.grad_accum_iter}, "
-             f"EMA {'on' if ema_on else 'off'}, {levers}, {world_size} rank(s), {device_type}")
+             f"EMA {'on' if ema_on else 'off'}, {levers}, {world_size} rank(s), {device_type}, "
+             f"master {dt}" + (" (compute bf16)" if mixed else ""))
     return Ledger(title, items, outside)
 
 
@@ -134,7 +166,8 @@ def what_closes_the_gap(
 ) -> str:
     """One line naming the flag(s), or failing that the cap, that makes the run fit ``budget`` bytes."""
     base = cosmos_ledger(cfg, preset_name, flags, world_size).gpu_reserved
-    for turn_on in ([EMA_CPU_SUBSET.name], [VAE_CPU_OFFLOAD.name], [EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name]):
+    e, v, o, f = EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, OPTIM_STATE_OFFLOAD.name, FROZEN_BF16.name
+    for turn_on in ([e], [v], [e, v], [e, v, o], [e, v, o, f]):
         if all(flags.get(f) for f in turn_on):
             continue
         trial = dict(flags, **{f: True for f in turn_on})

@@ -19,8 +19,9 @@ update counter and the training settings (:meth:`CosmosSFT.training_settings`; a
 is refused, except ``max_iter`` and ``save_iter``).
 
 Environment: ``DATASET_PATH``, ``BASE_CHECKPOINT_PATH``, ``WAN_VAE_PATH``, ``OUTPUT_ROOT`` (as upstream's
-launchers), ``COSMOS_EMA_CPU_SUBSET`` and ``COSMOS_VAE_CPU_OFFLOAD`` (the levers), ``ONECARD_DATA_CACHE``
-(where the sample dataset is prepared when no ``DATASET_PATH`` is given).
+launchers), ``COSMOS_EMA_CPU_SUBSET``, ``COSMOS_VAE_CPU_OFFLOAD`` and ``COSMOS_LATENT_CACHE`` (the levers; the latent cache
+lives in ``ONECARD_LATENT_CACHE``), ``ONECARD_DATA_CACHE`` (where the sample dataset is prepared when no
+``DATASET_PATH`` is given).
 
 Exit status: 0 on success, 2 on bad input (one ``error:`` line naming the problem and the fix).
 """
@@ -54,10 +55,14 @@ from patches.core.trainer import StepResult
 
 from . import attention, config as cfgmod, data as datamod, packing
 from .ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
+from .compile_blocks import compile_blocks
 from .ledger import cosmos_ledger, summary_line
 from .presets import build_transformer, build_vae, get_preset, select_trainable
 from .recipe import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
-from .vae_offload import encode_latents, offload_from_env
+from .latent_cache import CacheItem, online_latent, run_prepass
+from .frozen_bf16 import FrozenBF16
+from .optim_offload import OptimStateOffload
+from .vae_offload import offload_from_env
 
 log = logging.getLogger("onecard.train")
 
@@ -96,17 +101,20 @@ def _resolve_device(local_rank: int) -> torch.device:
     return device
 
 
-def prefetched(batches: Iterable, workers: int = 2, depth: int = 2) -> Iterator:
-    """Yield ``batches`` in order while decoding the next ``depth`` micro-batches' videos on threads.
+def prefetched(batches: Iterable, workers: int = 2, depth: int = 2, load: Any = None) -> Iterator:
+    """Yield ``load(b)`` for each of ``batches``, in order, while the next ``depth`` are loaded on threads.
 
-    PyAV releases the GIL while decoding, so the decode of the next micro-batch overlaps this one's
-    forward and backward. Decode errors surface when the batch is reached.
+    The default ``load`` decodes each sample's video and returns the micro-batch. PyAV releases the GIL while
+    decoding, so the decode of the next micro-batch overlaps this one's forward and backward. Errors surface
+    when the batch is reached.
     """
 
-    def load(batch):
+    def decode(batch):
         for s in batch:
             s.load_video()
         return batch
+
+    load = load or decode
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="onecard-decode") as pool:
         queue: collections.deque = collections.deque()
@@ -272,11 +280,18 @@ def _launch_world() -> int:
     return world
 
 
-def _shard(model: torch.nn.Module, device: torch.device) -> None:
-    """FSDP2 per decoder layer and at the root (CPU offload policy on the CPU, as CPU FSDP2 needs)."""
+def _shard(model: torch.nn.Module, device: torch.device, mp_policy: Any = None) -> None:
+    """FSDP2 per decoder layer and at the root (CPU offload policy on the CPU, as CPU FSDP2 needs), with
+    ``mp_policy`` (upstream HEAD's ``MixedPrecisionPolicy``) on every unit when given. Without a process group
+    (one process, no torchrun) a one-rank group is made, as upstream wraps even one GPU."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                             store=torch.distributed.HashStore(), rank=0, world_size=1)
     kw = {} if device.type == "cuda" else {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
     for layer in model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
@@ -317,6 +332,7 @@ class CosmosSFT(skeleton.Recipe):
         self.flags = flagmod.read_all()
         self.ema_lever = self.flags[flagmod.EMA_CPU_SUBSET.name]
         self.vae_lever = self.flags[flagmod.VAE_CPU_OFFLOAD.name]
+        self.cache_lever = self.flags[flagmod.LATENT_CACHE.name]
         self.rank, self.world, local_rank = rank_world()
         self.device = _resolve_device(local_rank)
         if self.args.validate_only:  # one process checks for the ranks the launcher's torchrun will start
@@ -326,6 +342,7 @@ class CosmosSFT(skeleton.Recipe):
         self.main_rank = self.rank == 0
         precision = self.cfg.model.precision
         self.dtype = torch.bfloat16 if (self.device.type == "cuda" and precision == "bfloat16") else torch.float32
+        self._resolve_master_dtype()
         self._check_preset()
         self._check_paths()
         self._resolve_schedule()
@@ -340,6 +357,25 @@ class CosmosSFT(skeleton.Recipe):
         self._load_dataset()
         self._check_trainable()  # last: the model's names come from building it on the meta device (seconds)
         self._print_plan()
+
+    def _resolve_master_dtype(self) -> None:
+        """``[model.parallelism]`` fsdp_master_dtype/fsdp_reduce_dtype -> the storage dtype and FSDP2 policy (HEAD),
+        and the two levers that act on them (checked here, before anything is built).
+
+        Raises:
+            UserError: ``COSMOS_FROZEN_BF16=1`` with the stock device EMA (it would average the bf16 copies).
+        """
+        par = self.cfg.model.parallelism
+        self.optim_lever = self.flags[flagmod.OPTIM_STATE_OFFLOAD.name]
+        self.frozen_lever = self.flags[flagmod.FROZEN_BF16.name]
+        dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+        self.master_dtype = dtypes[par.fsdp_master_dtype] if self.device.type == "cuda" else self.dtype
+        self.reduce_dtype = dtypes[par.fsdp_reduce_dtype]
+        self.mixed = self.master_dtype != self.dtype  # upstream HEAD: fp32 master, compute in precision via FSDP2
+        if self.frozen_lever and self.mixed and self.cfg.model.ema.enabled and not self.ema_lever:
+            raise UserError("COSMOS_FROZEN_BF16=1 needs COSMOS_EMA_CPU_SUBSET=1 when [model.ema].enabled: the stock "
+                            "device EMA clones every parameter and would average the bf16 copies of frozen ones; "
+                            "set COSMOS_EMA_CPU_SUBSET=1 or unset COSMOS_FROZEN_BF16")
 
     def _load_dataset(self) -> None:
         """Every row of ``DATASET_PATH`` (or of the sample dataset, prepared once by rank 0) and every video."""
@@ -422,7 +458,10 @@ class CosmosSFT(skeleton.Recipe):
             return
         where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no GPU found)"
         print(f"onecard: preset {self.preset.name} on {where}, {self.world} rank(s), max_iter {self.max_steps}{self.smoke}; "
-              f"{flagmod.EMA_CPU_SUBSET.name}={int(self.ema_lever)} {flagmod.VAE_CPU_OFFLOAD.name}={int(self.vae_lever)}",
+              f"{flagmod.EMA_CPU_SUBSET.name}={int(self.ema_lever)} {flagmod.VAE_CPU_OFFLOAD.name}={int(self.vae_lever)} "
+              f"{flagmod.LATENT_CACHE.name}={int(self.cache_lever)} {flagmod.OPTIM_STATE_OFFLOAD.name}={int(self.optim_lever)} "
+              f"{flagmod.FROZEN_BF16.name}={int(self.frozen_lever)}; parameters stored {self.master_dtype}, computed "
+              f"{self.dtype}" + (f" (FSDP2 MixedPrecisionPolicy, reduce {self.reduce_dtype})" if self.mixed else ""),
               flush=True)
         budget = None
         if dev.type == "cuda":
@@ -460,7 +499,7 @@ class CosmosSFT(skeleton.Recipe):
         cfg, device = self.cfg, self.device
         torch.manual_seed(cfg.onecard.seed)
         prev = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
+        torch.set_default_dtype(self.master_dtype)  # = self.dtype unless upstream HEAD's fp32 master is asked for
         try:
             model = build_transformer(self.preset, device=device)
         finally:
@@ -474,8 +513,17 @@ class CosmosSFT(skeleton.Recipe):
             model.enable_gradient_checkpointing()
         self.proc = attention.install(model)
         model.train()
-        if self.world > 1:
-            _shard(model, device)
+        self.compile_note = "eager"
+        if cfg.model.compile.enabled and device.type == "cuda":  # [model.compile]: each decoder layer, sizes dynamic
+            n = compile_blocks(model, dynamic=cfg.model.compile.compile_dynamic)
+            self.compile_note = f"{n} decoder layers compiled (dynamic={cfg.model.compile.compile_dynamic})"
+        # Lever: frozen parameters stored as their compute-dtype cast (before FSDP2 records the dtypes).
+        self.frozen = FrozenBF16(model, self.dtype) if (self.frozen_lever and self.mixed) else None
+        if self.world > 1 or self.mixed:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            policy = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=self.reduce_dtype) if self.mixed else None
+            _shard(model, device, policy)
         self.model = model
         self.params = [p for n, p in model.named_parameters() if n in tset]
         self.init_note = "random init (no BASE_CHECKPOINT_PATH): weights are NOT a trained Cosmos3-Edge"
@@ -500,9 +548,23 @@ class CosmosSFT(skeleton.Recipe):
 
     # ------------------------------------------------------------ 3. the levers
     def attach_levers(self, stack: contextlib.ExitStack) -> None:
-        """Place the VAE (parked on the host, lever 2, or resident) and the EMA (CPU subset, lever 1, or device)."""
-        self.offload = offload_from_env(self.vae, self.device)
-        self.vae_on_device = self.offload.on_device if self.offload is not None else contextlib.nullcontext
+        """Place the VAE (latent cache, lever 4; parked on the host, lever 2; or resident) and the EMA (CPU subset,
+        lever 1, or device)."""
+        self.latents = self.cache_report = None
+        if self.cache_lever:  # lever 4: the VAE is on the device only inside the pre-pass, then freed
+            self.latents, report = run_prepass(self.vae, self.device, self.records, self.preset, rank=self.rank,
+                                               world_size=self.world, progress=self.main_rank)
+            self.cache_report = report.to_dict()
+            if self.main_rank:
+                print(f"onecard: {report.line()}", flush=True)
+                if self.vae_lever:
+                    print("onecard: COSMOS_VAE_CPU_OFFLOAD=1 has no effect with COSMOS_LATENT_CACHE=1: training "
+                          "never encodes", flush=True)
+            self.vae = self.offload = None
+            self.vae_on_device = contextlib.nullcontext
+        else:
+            self.offload = offload_from_env(self.vae, self.device)
+            self.vae_on_device = self.offload.on_device if self.offload is not None else contextlib.nullcontext
         ema_cfg = self.cfg.model.ema
         self.gamma = 0.0
         self.ema_note = "off"
@@ -515,6 +577,14 @@ class CosmosSFT(skeleton.Recipe):
             self.ema_note = "CPU subset (lever)" if self.ema_lever else f"stock full fp32 clone on {self.device}"
         elif self.ema_lever and self.main_rank:
             print("onecard: COSMOS_EMA_CPU_SUBSET=1 has no effect: [model.ema].enabled = false in this TOML")
+        self.optim_offload = OptimStateOffload(self.opt) if self.optim_lever else None
+        if self.optim_offload is not None:
+            stack.callback(self.optim_offload.close)
+        if self.frozen is not None:
+            stack.callback(self.frozen.close)
+        elif self.frozen_lever and self.main_rank:
+            print(f"onecard: COSMOS_FROZEN_BF16=1 has no effect: parameters are stored in {self.master_dtype}, the "
+                  "dtype they compute in (set [model.parallelism] fsdp_master_dtype = \"float32\" for upstream HEAD's dtypes)")
 
     # ------------------------------------------------------------ 4. checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -557,6 +627,8 @@ class CosmosSFT(skeleton.Recipe):
                             "OUTPUT_ROOT or [job].name, or the settings it was trained with") from None
         if not named:
             self.opt.load_state_dict(optim)
+        if self.frozen is not None:  # load_full_state wrote the frozen fp32 values into the host copies
+            self.frozen.refresh()
         if self.ema is not None:
             shadow = {k[8:]: v for k, v in state["model"].items() if k.startswith("net_ema.")}
             self.ema.load_state_dict({"num_updates": state.get("ema_num_updates", 0), "shadow": shadow})
@@ -576,6 +648,8 @@ class CosmosSFT(skeleton.Recipe):
         return {
             "[onecard].preset": self.preset.name, "world size (NPROC_PER_NODE x NNODES)": self.world,
             "[model].precision": str(self.dtype).replace("torch.", ""),
+            "[model.parallelism].fsdp_master_dtype": str(self.master_dtype).replace("torch.", ""),
+            "[model.parallelism].fsdp_reduce_dtype": str(self.reduce_dtype).replace("torch.", "") if self.mixed else None,
             "[optimizer].keys_to_select": list(o.keys_to_select), "[optimizer].lr": o.lr,
             "[optimizer].betas": list(o.betas), "[optimizer].eps": o.eps, "[optimizer].weight_decay": o.weight_decay,
             "[scheduler].warm_up_steps": list(sc.warm_up_steps), "[scheduler].cycle_lengths": list(sc.cycle_lengths),
@@ -607,9 +681,11 @@ class CosmosSFT(skeleton.Recipe):
             return
         print(f"onecard: model {self.n_total:,} params, trainable {self.n_train:,} ({len(self.trainable)} tensors) by "
               f"keys_to_select {self.cfg.optimizer.keys_to_select}; {self.dtype}; {self.init_note}")
-        vae = "parked on host (lever)" if self.offload is not None else f"resident on {self.device}"
+        vae = ("not on the GPU in training: latents from the cache (lever 4)" if self.latents is not None
+               else "parked on host (lever)" if self.offload is not None else f"resident on {self.device}")
         print(f"onecard: {self.vae_note}; VAE {vae}; EMA {self.ema_note}; dataset {self.ds_root} "
               f"({len(self.records)} rows); cap {self.cap}, grad_accum_iter {self.ga}")
+        print(f"onecard: attention {self.cfg.onecard.attention} ([onecard].attention); blocks {self.compile_note}")
 
     def save_due(self, done: int) -> bool:
         return not self.args.no_save and (done % self.cfg.checkpoint.save_iter == 0 or done == self.max_steps)
@@ -620,7 +696,11 @@ class CosmosSFT(skeleton.Recipe):
         it = iter(self.loader)
         for _ in range(self.consumed):  # fast-forward to where the checkpoint stopped (decoding is lazy)
             next(it)
-        self._it = prefetched(it, workers=max(1, min(8, (os.cpu_count() or 2) - 1)))
+        def cached(batch):  # lever 4: the threads read latents instead of decoding videos
+            return [(s, self.latents.get(CacheItem(s.video_path, s.window, s.size))) for s in batch]
+
+        self._it = prefetched(it, workers=max(1, min(8, (os.cpu_count() or 2) - 1)),
+                              load=cached if self.latents is not None else None)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.mem = MemorySampler(self.device, interval_s=float(os.environ.get("ONECARD_SAMPLE_S") or 0.5)).start()
@@ -657,7 +737,11 @@ class CosmosSFT(skeleton.Recipe):
         self.consumed += 1
         device, mem = self.device, self.mem
         with mem.phase("encode"), self.vae_on_device(), torch.no_grad():
-            x0 = [encode_latents(self.vae, s.video.unsqueeze(0).to(device, self.vae_dtype)).float() for s in batch]
+            if self.latents is not None:  # lever 4: the stored output of the same online_latent call
+                batch, stored = [s for s, _ in batch], [x for _, x in batch]
+                x0 = [x.to(device).float() for x in stored]
+            else:
+                x0 = [online_latent(self.vae, s.video, device, self.vae_dtype).float() for s in batch]
         sigmas, noise = _sample_noise(self.cfg.onecard.seed, iteration, micro, [x.shape for x in x0])
         xt, targets = [], []
         for x, e, sg in zip(x0, noise, sigmas):
@@ -667,7 +751,7 @@ class CosmosSFT(skeleton.Recipe):
         tok = self.tokenizer
         text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
         kwargs, self.proc.segments = attention.build_packed_inputs(
-            self.model.config, text, xt, sigmas, [s.record.fps for s in batch], device
+            self.model.config, text, xt, sigmas, [s.record.fps for s in batch], device, impl=self.cfg.onecard.attention
         )
         with mem.phase("forward"):
             preds = self.model(**kwargs).sample
@@ -726,6 +810,13 @@ class CosmosSFT(skeleton.Recipe):
             "last_loss": results[-1].loss if results else float("nan"),
             "ema": self._ema_summary(),
             "vae_offload": None if self.offload is None else dict(self.offload.stats),
+            "master_dtype": str(self.master_dtype).replace("torch.", ""),
+            "optim_offload": None if self.optim_offload is None else dict(
+                self.optim_offload.stats, groups=len(self.optim_offload.groups), pinned_bytes=self.optim_offload.pinned_bytes),
+            "frozen_bf16": None if self.frozen is None else {
+                "tensors": len(self.frozen.names), "device_bytes_saved": self.frozen.device_bytes_saved,
+                "host_bytes": self.frozen.host_bytes},
+            "latent_cache": self.cache_report,
             "s_per_step_median": median(step_times[1:] or step_times),
             "s_per_micro_batch_median": median(self.micro_times[self.ga:] or self.micro_times),
             "ledger": summary_line(self.ledger),
@@ -738,6 +829,8 @@ class CosmosSFT(skeleton.Recipe):
             "memory": self.mem.peaks(),
             "timeline": {k: str(v) for k, v in timeline.items()},
             "init": self.init_note,
+            "attention": self.cfg.onecard.attention,
+            "compile": self.compile_note,
         }
 
     def _ema_summary(self) -> dict[str, Any] | None:

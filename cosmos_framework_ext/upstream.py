@@ -206,6 +206,29 @@ def patched_set_up_tokenizers(original: Callable[..., Any]) -> Callable[..., Any
     return set_up_tokenizers
 
 
+def patched_optimizer_cls(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``_optimizer_cls`` whose ``torch.optim.Adam``/``AdamW`` streams its moments (``COSMOS_OPTIM_STATE_OFFLOAD``).
+
+    Upstream builds the optimizer here (``utils/generator/optimizer.py``, both commits); the returned object is
+    upstream's own, with :class:`~cosmos_framework_ext.optim_offload.OptimStateOffload` attached (its ``step``
+    streams, its ``state_dict``/``load_state_dict`` are stock, so DCP's optimizer entries are unchanged).
+
+    Raises:
+        UserError: upstream built another optimizer (``fusedadam``, Muon, Dion2): their state layout is not
+            AdamW's; use ``optimizer_type = "adamw"`` or unset the flag.
+    """
+    from .optim_offload import OptimStateOffload
+
+    def _optimizer_cls(params, optimizer_type, **optimizer_kwargs):
+        optimizer = original(params, optimizer_type, **optimizer_kwargs)
+        optimizer._onecard_state_offload = OptimStateOffload(optimizer)
+        log.info("onecard: AdamW moments in a pinned host arena (%.2f GiB), %d stream groups",
+                 optimizer._onecard_state_offload.arena.nbytes / GiB, len(optimizer._onecard_state_offload.groups))
+        return optimizer
+
+    return _optimizer_cls
+
+
 def with_vae_on_device(original: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``original`` with the parked VAE on the GPU (one move per call; nested calls move nothing)."""
 

@@ -9,8 +9,12 @@ names as PEFT gives them inside the diffusers model, ``<module>.lora_A.default.w
 - ``adapter_model.safetensors`` -- PEFT's key layout ``base_model.model.<module>.lora_A.weight``;
 - ``pytorch_lora_weights.safetensors`` -- diffusers' LoRA layout ``transformer.<module>.lora_A.weight`` with
   r / lora_alpha / target_modules in its ``lora_adapter_metadata``;
-- with ``--comfyui`` also ``lora_comfyui.safetensors``: ``diffusion_model.<module>.lora_down.weight`` /
-  ``.lora_up.weight`` / ``.alpha`` (the kohya-style naming ComfyUI loads).
+- with ``--comfyui`` also ``lora_comfyui.safetensors``: the LoRA on ComfyUI's (the original checkpoint's) H3
+  module names, kohya style (``diffusion_model.<module>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``):
+  ``blocks.N`` / ``token_refiner.blocks.N``, a fused ``attn.qkv_proj``, ``attn.out_proj``, ``mlp.fc1`` (halves
+  swapped) and ``mlp.fc2`` (:func:`comfyui_state_dict`). diffusers' own converter for such files
+  (``_convert_non_diffusers_minimax_h3_lora_to_diffusers``, used by ``MiniMaxH3LoraLoaderMixin``) reads it back
+  to the trained weight deltas (tested: ``tests/equivalence/test_h3_export_lora.py``).
 
 The directory loads with ``peft.PeftModel.from_pretrained(base, out_dir)`` and with diffusers'
 ``model.load_lora_adapter(out_dir, weight_name="pytorch_lora_weights.safetensors")`` (the name is needed: the
@@ -88,15 +92,110 @@ def peft_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+COMFY_STANDALONE: dict[str, str] = {
+    "proj_in": "video_patch_proj",
+    "audio_proj_in": "audio_patch_proj",
+    "context_embedder": "condition_proj",
+    "time_embedder.linear_1": "time_embedder.proj_in",
+    "time_embedder.linear_2": "time_embedder.proj_out",
+    "norm_out.linear": "final_layer.adaln_proj.linear",
+    "proj_out": "final_layer.video_out",
+    "audio_proj_out": "final_layer.audio_out",
+}
+"""diffusers module -> the original / ComfyUI H3 module, outside the block stacks (inverse of diffusers'
+``_convert_non_diffusers_minimax_h3_lora_to_diffusers``)."""
+
+COMFY_BLOCK_STACKS: tuple[tuple[str, str], ...] = (
+    (r"transformer_blocks\.(\d+)\.(.+)", "blocks"),
+    (r"token_refiner\.refiner_blocks\.(\d+)\.(.+)", "token_refiner.blocks"),
+)
+"""diffusers block stack (regex: index, module in the block) -> the original / ComfyUI stack."""
+
+COMFY_IN_BLOCK: dict[str, str] = {
+    "attn.to_out.0": "attn.out_proj",
+    "ff.net.0.proj": "mlp.fc1",
+    "ff.net.2": "mlp.fc2",
+    "adaln_proj.linear": "adaln_proj.linear",
+}
+"""diffusers module in a block -> the original / ComfyUI module (``to_q/to_k/to_v`` fuse into ``attn.qkv_proj``)."""
+
+COMFY_QKV: tuple[str, ...] = ("attn.to_q", "attn.to_k", "attn.to_v")
+"""The three projections the original H3 fuses into ``attn.qkv_proj``, in its row order."""
+
+
 def comfyui_state_dict(state: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """Kohya-style keys for ComfyUI: ``diffusion_model.<m>.lora_down/lora_up.weight`` and ``.alpha``."""
-    out = {}
+    """The LoRA on the original / ComfyUI MiniMax-H3 module names, kohya style: ``diffusion_model.<m>.lora_down.weight``
+    (``[r_m, in]``), ``.lora_up.weight`` (``[out, r_m]``), ``.alpha`` (0-d fp32); a loader applies
+    ``delta W = (alpha / r_m) * up @ down`` with ``r_m`` = the down weight's rows. All fp32.
+
+    Module map (the inverse of diffusers' ``_convert_non_diffusers_minimax_h3_lora_to_diffusers``, which reads this
+    file back): ``transformer_blocks.N`` -> ``blocks.N``, ``token_refiner.refiner_blocks.N`` ->
+    ``token_refiner.blocks.N``; in a block ``attn.to_out.0`` -> ``attn.out_proj``, ``ff.net.2`` -> ``mlp.fc2``,
+    ``ff.net.0.proj`` -> ``mlp.fc1`` with the up weight's two row halves swapped (diffusers' SwiGLU is fused
+    ``[value; gate]``, the original ``[gate; value]``), and ``attn.to_q/to_k/to_v`` -> one fused ``attn.qkv_proj``:
+    downs stacked ``[A_q; A_k; A_v]`` (rank ``k*r`` for the ``k`` projections adapted), up block-diagonal
+    (``B_q`` in rows ``0..d``, columns ``0..r``; ``B_k`` next; zero rows for a projection not adapted, whose delta
+    is then zero), alpha ``k * alpha`` so that ``alpha / rank`` stays ``alpha / r``; the projections outside the
+    blocks per :data:`COMFY_STANDALONE`. Each fused block's delta is then exactly the trained ``(alpha / r) B A``.
+
+    Raises:
+        ExportError: a module with no original H3 name, an adapter whose rank is not ``rank``, an incomplete
+            A/B pair, or q/k/v projections of different output widths.
+    """
+    import re
+
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in state.items():
         module, kind = _module_name(k)
-        out[f"diffusion_model.{module}.{'lora_down' if kind == 'lora_A' else 'lora_up'}.weight"] = (
-            v.detach().to(torch.float32).contiguous())
-        out[f"diffusion_model.{module}.alpha"] = torch.tensor(float(alpha))
-    del rank
+        pairs.setdefault(module, {})[kind] = v.detach().to(torch.float32)
+    out: dict[str, torch.Tensor] = {}
+
+    def put(name: str, down: torch.Tensor, up: torch.Tensor, a: float) -> None:
+        out[f"diffusion_model.{name}.lora_down.weight"] = down.contiguous()
+        out[f"diffusion_model.{name}.lora_up.weight"] = up.contiguous()
+        out[f"diffusion_model.{name}.alpha"] = torch.tensor(float(a))
+
+    fused: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for module, ab in sorted(pairs.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ExportError(f"{module} has {sorted(ab)} but a LoRA needs both lora_A and lora_B: the checkpoint is "
+                              "incomplete; export another one")
+        down, up = ab["lora_A"], ab["lora_B"]
+        if down.shape[0] != rank or up.shape[1] != rank:
+            raise ExportError(f"{module}: adapter rank {down.shape[0]} is not lora_meta's rank {rank}: the checkpoint "
+                              "is inconsistent; export another one")
+        if module in COMFY_STANDALONE:
+            put(COMFY_STANDALONE[module], down, up, alpha)
+            continue
+        found = [(m, stack) for m, stack in ((re.fullmatch(p, module), stack) for p, stack in COMFY_BLOCK_STACKS) if m]
+        sub = found[0][0].group(2) if found else None
+        if sub not in COMFY_IN_BLOCK and sub not in COMFY_QKV:
+            raise ExportError(f"{module} has no counterpart in ComfyUI's MiniMax-H3 model, so --comfyui cannot "
+                              "write it: export without --comfyui (PEFT / diffusers files) or train without it")
+        block = f"{found[0][1]}.{found[0][0].group(1)}"
+        if sub in COMFY_QKV:
+            fused.setdefault(block, {})[sub] = (down, up)
+            continue
+        if sub == "ff.net.0.proj":  # diffusers [value; gate] -> original [gate; value]
+            value, gate = up.chunk(2, dim=0)
+            up = torch.cat([gate, value], dim=0)
+        put(f"{block}.{COMFY_IN_BLOCK[sub]}", down, up, alpha)
+
+    for block, members in fused.items():
+        present = [m for m in COMFY_QKV if m in members]
+        widths = {members[m][1].shape[0] for m in present}
+        if len(widths) != 1:
+            raise ExportError(f"{block}: q/k/v projections of different widths {sorted(widths)} cannot be fused into "
+                              "ComfyUI's qkv_proj; export without --comfyui")
+        d = widths.pop()
+        downs = torch.cat([members[m][0] for m in present], dim=0)
+        up = torch.zeros(3 * d, downs.shape[0], dtype=torch.float32)
+        col = 0
+        for i, m in enumerate(COMFY_QKV):
+            if m in members:
+                up[i * d:(i + 1) * d, col:col + rank] = members[m][1]
+                col += rank
+        put(f"{block}.attn.qkv_proj", downs, up, alpha * len(present))
     return out
 
 
@@ -136,7 +235,9 @@ def export(checkpoint: str | Path, out_dir: str | Path, comfyui: bool = False) -
         files = ["adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors"]
         if comfyui:
             save_file(comfyui_state_dict(state, int(meta["rank"]), float(meta["alpha"])),
-                      str(tmp / "lora_comfyui.safetensors"), metadata=metadata)
+                      str(tmp / "lora_comfyui.safetensors"),
+                      metadata=dict(metadata, layout="minimax-h3 original/ComfyUI names; attn.qkv_proj fused: rank "
+                                    "and alpha x the q/k/v projections adapted"))
             files.append("lora_comfyui.safetensors")
         if out.exists():
             out.rmdir()
@@ -153,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m miles_ext.export_lora", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="an H3 LoRA run's checkpoints/iter_<rollout, 9 digits>.pt")
     ap.add_argument("out_dir", help="new directory for the PEFT adapter")
-    ap.add_argument("--comfyui", action="store_true", help="also write lora_comfyui.safetensors (kohya-style keys)")
+    ap.add_argument("--comfyui", action="store_true",
+                    help="also write lora_comfyui.safetensors (ComfyUI's H3 module names, fused qkv_proj, kohya keys)")
     args = ap.parse_args(argv)
     return cli(lambda: _export_and_report(args.checkpoint, args.out_dir, args.comfyui))
 

@@ -151,6 +151,11 @@ def apply_fsdp2(
     pin_memory: bool | None = None,
     cast_forward_inputs: bool = False,
     reshard_after_forward: bool = True,
+    resident: Iterable[int] | None = None,
+    adapters_on_device: bool = False,
+    exact_pin: bool = False,
+    prefetch: int = 1,
+    no_split_modules: Iterable[str] | None = None,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2, in place: adapter units, then one unit per ``_no_split_modules`` block, then
     the root. Returns ``model``. A process group must be initialised (``mesh=None`` uses the default one).
@@ -169,6 +174,17 @@ def apply_fsdp2(
             type, or CUDA when it is available and ``mesh`` is ``None``; a CPU run must not pin).
         cast_forward_inputs: FSDP's forward-input cast (off: H3 casts its own inputs; see module docstring).
         reshard_after_forward: free gathered parameters after each unit's forward (ZeRO-3 behaviour).
+        resident: partial residency (:mod:`miles_ext.residency`) under ``cpu_offload``: indices into the
+            ``_no_split_modules`` blocks (module order) that stay on the device; the other blocks are offloaded and
+            streamed, with ``prefetch`` blocks gathered ahead in forward; the root unit stays on the device.
+            ``None``: every unit offloaded (plain ``--fsdp-cpu-offload``).
+        adapters_on_device: under ``cpu_offload``, the LoRA adapter units are not offloaded: adapters, their
+            gradients and (built after this) their AdamW state live on the compute device, as in an all-resident run.
+        exact_pin: offloaded shards go into one exact-size page-locked arena (:mod:`miles_ext.pinned`) instead of
+            the caching host allocator's power-of-two blocks; the report is ``model._onecard_pinned_report``.
+        prefetch: offloaded blocks gathered ahead of the running block in forward (with ``resident``).
+        no_split_modules: class names of the blocks to wrap (default: ``model._no_split_modules``; upstream passes
+            its ``parallel_plan.no_split_modules``).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -177,7 +193,7 @@ def apply_fsdp2(
     if pin_memory is None:
         device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         pin_memory = device_type == "cuda"
-    offload = CPUOffloadPolicy(pin_memory=pin_memory) if cpu_offload else None
+    offload = CPUOffloadPolicy(pin_memory=pin_memory and not exact_pin) if cpu_offload else None
     base_mp = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs
     )
@@ -187,10 +203,12 @@ def apply_fsdp2(
         cast_forward_inputs=cast_forward_inputs,
     )
     common = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    on_device = dict(common)
     if offload is not None:
         common["offload_policy"] = offload
 
-    wrap_names = set(getattr(model, "_no_split_modules", None) or ())
+    wrap_names = set(no_split_modules if no_split_modules is not None else
+                     (getattr(model, "_no_split_modules", None) or ()))
     if not wrap_names:
         raise ValueError(f"{type(model).__name__} declares no _no_split_modules; nothing to wrap per block")
     blocks = [m for m in model.modules() if type(m).__name__ in wrap_names]
@@ -198,13 +216,26 @@ def apply_fsdp2(
     if adapters_outside:
         raise ValueError("LoRA adapters outside the _no_split_modules blocks: their own units would be unordered; "
                          "target only modules inside the blocks")
-    for block in blocks:
+    keep = None if resident is None or offload is None else {int(i) for i in resident}
+    if keep is not None and not keep <= set(range(len(blocks))):
+        raise ValueError(f"resident block indices {sorted(keep - set(range(len(blocks))))} out of range: the model "
+                         f"has {len(blocks)} blocks")
+    adapter_kw = on_device if adapters_on_device else common
+    for i, block in enumerate(blocks):
         adapters = _adapter_linears(block)
         if adapters:
-            fully_shard(adapters, mp_policy=adapter_mp, **common)
+            fully_shard(adapters, mp_policy=adapter_mp, **adapter_kw)
             _gather_with_block(block, adapters[0])
-        fully_shard(block, mp_policy=base_mp, **common)
-    fully_shard(model, mp_policy=base_mp, **common)
+        fully_shard(block, mp_policy=base_mp, **(on_device if keep is not None and i in keep else common))
+    fully_shard(model, mp_policy=base_mp, **(on_device if keep is not None else common))
+    if keep is not None:
+        from miles_ext.residency import wire_prefetch
+
+        wire_prefetch(blocks, [i for i in range(len(blocks)) if i not in keep], depth=prefetch)
+    if exact_pin and offload is not None:
+        from miles_ext.pinned import pin_offloaded_shards
+
+        model._onecard_pinned_report = pin_offloaded_shards(model, pin=pin_memory)
     return model
 
 

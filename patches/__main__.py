@@ -1,7 +1,9 @@
 """``python -m patches status``: which lever flags are on, and what they act on in this process.
 
-Exit status 2 with an ``error:`` line when a flag holds a value it does not accept, ``COSMOS_FRAMEWORK_ROOT``
-is not a checkout, or a patch target does not match the supported upstream commits.
+Both upstreams are reported: cosmos-framework's flags and, with ``COSMOS_FRAMEWORK_ROOT``, its patch targets;
+miles-diffusion's flags and, with ``MILES_DIFFUSION_ROOT``, its patch targets. Exit status 2 with an ``error:``
+line when a flag holds a value it does not accept, a root is not a checkout, or a patch target does not match
+the supported upstream commits.
 """
 
 from __future__ import annotations
@@ -19,14 +21,21 @@ def status() -> int:
     Returns 0, or 2 when a flag holds a bad value, the root is not a checkout, or any target mismatches.
     """
     try:
-        values = flags.read_all()
+        values = {**flags.read_all(), **flags.read_miles()}
     except flags.FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"rank {os.environ.get('RANK', '0')}: onecard lever flags")
     for f in flags.ALL_FLAGS:
         print(f"  {f.name}={_shown(f, values[f.name])}  {f.help}")
+    print(f"  {flags.LATENT_CACHE_DIR}={flags.latent_cache_dir()}  latent cache folder "
+          f"({'used' if values[flags.LATENT_CACHE.name] else 'unused'}: {flags.LATENT_CACHE.name}="
+          f"{_shown(flags.LATENT_CACHE, values[flags.LATENT_CACHE.name])})")
     code = _upstream_status(values, os.environ.get("COSMOS_FRAMEWORK_ROOT", ""))
+    print("onecard flags for miles-diffusion (H3)")
+    for f in flags.MILES_FLAGS:
+        print(f"  {f.name}={_shown(f, values[f.name])}  {f.help}")
+    code = max(code, _miles_status(values, os.environ.get("MILES_DIFFUSION_ROOT", "")))
     try:
         import torch
 
@@ -47,7 +56,7 @@ def _shown(flag: flags.Flag | flags.ChoiceFlag, value: bool | str) -> str:
 
 
 def _upstream_status(values: dict[str, bool | str], root: str) -> int:
-    """Print what the patch table would do to the checkout at ``root``; 2 if anything does not match."""
+    """Print what the cosmos-framework table would do to the checkout at ``root``; 2 if anything mismatches."""
     if not root:
         print("target: embedded reference trainer (levers built in; no upstream patched)")
         return 0
@@ -55,11 +64,30 @@ def _upstream_status(values: dict[str, bool | str], root: str) -> int:
         print(f"error: COSMOS_FRAMEWORK_ROOT={root} is not a cosmos-framework checkout (no cosmos_framework/ in "
               "it): point it at your checkout, or unset it for the embedded trainer", file=sys.stderr)
         return 2
-    sys.path.insert(0, root)
     from .cosmos_table import patch_set
+
+    return _table_status(values, root, patch_set())
+
+
+def _miles_status(values: dict[str, bool | str], root: str) -> int:
+    """Print what the miles-diffusion table would do to the checkout at ``root``; 2 if anything mismatches."""
+    if not root:
+        print("target: embedded H3 trainer (levers built in; no upstream patched)")
+        return 0
+    if not os.path.isdir(os.path.join(root, "miles", "backends", "fsdp_utils")):
+        print(f"error: MILES_DIFFUSION_ROOT={root} is not a miles-diffusion checkout (no miles/backends/fsdp_utils/ "
+              "in it): point it at your checkout, or unset it for the embedded trainer", file=sys.stderr)
+        return 2
+    from .miles_table import patch_set
+
+    return _table_status(values, root, patch_set())
+
+
+def _table_status(values: dict[str, bool | str], root: str, ps) -> int:
+    """Check every target of the patch set ``ps`` in the checkout at ``root`` and print one line each."""
     from .guard import UpstreamMismatch
 
-    ps = patch_set()
+    sys.path.insert(0, root)
     print(f"target: upstream checkout {root} ({ps.supported} supported)")
     mismatches = 0
     for p in ps.patches:
@@ -71,7 +99,9 @@ def _upstream_status(values: dict[str, bool | str], root: str) -> int:
             state = f"MISMATCH: {e}"
             mismatches += 1
         print(f"  {p.name:<28} {p.target}: {state}")
-    print("  (each rank prints what it patched when the launcher starts it through python -m patches.run)")
+    how = ("the sitecustomize hook in patches/miles_site, in every Ray process" if ps.upstream == "miles-diffusion"
+           else "python -m patches.run")
+    print(f"  (each rank prints what it patched when the launcher starts it through {how})")
     if mismatches:
         print(f"error: {mismatches} patch target(s) do not match this checkout: check out a supported commit "
               f"({ps.supported})", file=sys.stderr)

@@ -13,7 +13,7 @@ the torch backend.
 
 from __future__ import annotations
 
-from .core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
+from .core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
 from .guard import Patch, PatchSet
 
 SUPPORTED = "cosmos-framework ed8287f (2026-07-21) and 5eee9ed (2026-08-21)"
@@ -21,6 +21,7 @@ _MODEL = "cosmos_framework.model.generator.omni_mot_model:OmniMoTModel"
 _DCP = "cosmos_framework.checkpoint.dcp:ModelWrapper"
 _IMPL = "cosmos_framework_ext.upstream"
 _ATTN = "cosmos_framework.model.attention.frontend"
+_OPTIM = "cosmos_framework.utils.generator.optimizer"  # _optimizer_cls: the one place both commits build AdamW
 _CHOOSE_BACKEND = ("query_shape", "key_shape", "value_shape", "dtype", "device", "requires_grad", "is_causal",
                    "causal_type", "is_varlen", "deterministic", "backend", "raise_error")  # ed8287f and 5eee9ed
 
@@ -37,6 +38,8 @@ PATCHES = [
           f"{_IMPL}:with_vae_on_device"),
     Patch("vae.encode", VAE_CPU_OFFLOAD, f"{_MODEL}.encode", (("self", "state"),), f"{_IMPL}:with_vae_on_device"),
     Patch("vae.decode", VAE_CPU_OFFLOAD, f"{_MODEL}.decode", (("self", "latent"),), f"{_IMPL}:with_vae_on_device"),
+    Patch("optim.state_offload", OPTIM_STATE_OFFLOAD, f"{_OPTIM}:_optimizer_cls",
+          (("params", "optimizer_type", "optimizer_kwargs"),), f"{_IMPL}:patched_optimizer_cls"),
     Patch("attention.choose_backend", ATTN_BACKEND, f"{_ATTN}:choose_backend", (_CHOOSE_BACKEND,),
           "cosmos_framework_ext.upstream_attention:patched_choose_backend"),
 ]

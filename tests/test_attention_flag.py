@@ -68,7 +68,7 @@ FRONTEND_SOURCE = textwrap.dedent('''
 def _write_checkout(root: Path, frontend: str = FRONTEND_SOURCE) -> None:
     """A stand-in checkout: every table target with its supported signature, and the attention frontend."""
     cf = root / "cosmos_framework"
-    for d in (cf, cf / "model", cf / "model" / "generator", cf / "checkpoint"):
+    for d in (cf, cf / "model", cf / "model" / "generator", cf / "checkpoint", cf / "utils", cf / "utils" / "generator"):
         d.mkdir(parents=True, exist_ok=True)
         (d / "__init__.py").write_text("")
     (cf / "model" / "generator" / "omni_mot_model.py").write_text(
@@ -77,6 +77,8 @@ def _write_checkout(root: Path, frontend: str = FRONTEND_SOURCE) -> None:
         "    def encode(self, state): ...\n    def decode(self, latent): ...\n")
     (cf / "checkpoint" / "dcp.py").write_text(
         "class ModelWrapper:\n    def state_dict(self): ...\n    def load_state_dict(self, state_dict): ...\n")
+    (cf / "utils" / "generator" / "optimizer.py").write_text(
+        "def _optimizer_cls(params, optimizer_type, **optimizer_kwargs): ...\n")
     att = cf / "model" / "attention"
     att.mkdir()
     (att / "__init__.py").write_text("from cosmos_framework.model.attention.frontend import attention\n")
@@ -143,7 +145,7 @@ def test_read_all_carries_the_choice_for_wanted_and_run():
     assert off[ATTN_BACKEND.name] == "" and not off[ATTN_BACKEND.name]
     assert on[ATTN_BACKEND.name] == "torch" and on[ATTN_BACKEND.name]
     assert not any(off.values()) and any(on.values())  # patches.run: nothing to patch unless a flag is on
-    assert " ".join(f"{k}={int(v)}" for k, v in on.items()).endswith("COSMOS_ATTN_BACKEND=1")  # patches.run's line
+    assert "COSMOS_ATTN_BACKEND=1" in " ".join(f"{k}={int(v)}" for k, v in on.items()).split()  # patches.run's line
     assert json.loads(json.dumps(on))[ATTN_BACKEND.name] == "torch"  # the trainer's summary JSON
     with pytest.raises(FlagError, match="COSMOS_ATTN_BACKEND"):
         flags.read_all({ATTN_BACKEND.name: "flash3"})

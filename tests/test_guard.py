@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from patches.core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, VAE_CPU_OFFLOAD
+from patches.core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
 from patches.guard import MARK, Patch, PatchSet, UpstreamMismatch
 
 
@@ -97,7 +97,8 @@ def test_cosmos_table_names_real_targets():
     from patches.cosmos_table import PATCHES, SUPPORTED
 
     assert "ed8287f" in SUPPORTED and "5eee9ed" in SUPPORTED
-    assert {p.flag.name for p in PATCHES} == {EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, ATTN_BACKEND.name}
+    assert {p.flag.name for p in PATCHES} == {EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, ATTN_BACKEND.name,
+                                              OPTIM_STATE_OFFLOAD.name}
     assert all(p.target.startswith("cosmos_framework.") for p in PATCHES)
 
 
@@ -129,8 +130,11 @@ def _fake_checkout(root, with_methods: bool):
     gen.mkdir(parents=True)
     ckpt = root / "cosmos_framework" / "checkpoint"
     ckpt.mkdir(parents=True)
-    for d in (root / "cosmos_framework", root / "cosmos_framework" / "model", gen, ckpt):
+    util = root / "cosmos_framework" / "utils" / "generator"
+    util.mkdir(parents=True)
+    for d in (root / "cosmos_framework", root / "cosmos_framework" / "model", gen, ckpt, util.parent, util):
         (d / "__init__.py").write_text("")
+    (util / "optimizer.py").write_text("def _optimizer_cls(params, optimizer_type, **optimizer_kwargs): ...\n")
     methods = ("    def set_up_model(self): ...\n    def set_up_tokenizers(self): ...\n"
                "    def get_data_and_condition(self, data_batch, iteration, vision_condition_indexes): ...\n"
                "    def encode(self, state): ...\n    def decode(self, latent): ...\n") if with_methods else "    pass\n"

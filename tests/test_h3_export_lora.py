@@ -94,22 +94,27 @@ def test_export_then_diffusers_load_lora_adapter(trained, tmp_path):
 
 
 def test_comfyui_file_reproduces_the_trained_delta(trained, tmp_path):
-    """Kohya/ComfyUI semantics: per module ``lora_down`` (A), ``lora_up`` (B) and ``alpha`` = lora_alpha (not
-    alpha / r); a loader applies ``delta W = (alpha / r) * up @ down`` with r = the down weight's rows. That delta
-    must be PEFT's own ``get_delta_weight`` of the trained layer."""
+    """Kohya/ComfyUI semantics on ComfyUI's H3 names: per module ``lora_down`` (A), ``lora_up`` (B) and ``alpha``; a
+    loader applies ``delta W = (alpha / r) * up @ down`` with r = the down weight's rows. Read back by diffusers'
+    converter for such files, each module's delta must be PEFT's own ``get_delta_weight`` of the trained layer
+    (the full proof, with planted bugs: ``tests/equivalence/test_h3_export_lora.py``)."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_minimax_h3_lora_to_diffusers
     from safetensors.torch import load_file
 
     model, ckpt = trained
     export_lora.export(ckpt, tmp_path / "adapter", comfyui=True)
     sd = load_file(str(tmp_path / "adapter" / "lora_comfyui.safetensors"))
-    modules = sorted(k[len("diffusion_model."):-len(".alpha")] for k in sd if k.endswith(".alpha"))
-    assert len(modules) == len(lora_parameters(model)) // 2 and all(k.startswith("diffusion_model.") for k in sd)
-    layers = dict(model.named_modules())
-    for m in modules:
+    assert all(k.startswith("diffusion_model.") for k in sd)
+    for m in {k[len("diffusion_model."):-len(".alpha")] for k in sd if k.endswith(".alpha")}:
         alpha, down, up = (sd[f"diffusion_model.{m}.{k}"] for k in ("alpha", "lora_down.weight", "lora_up.weight"))
-        assert alpha.dim() == 0 and float(alpha) == ALPHA
-        assert down.shape[0] == up.shape[1] == RANK
-        delta = (float(alpha) / down.shape[0]) * up @ down
+        fused = 3 if m.endswith("qkv_proj") else 1
+        assert alpha.dim() == 0 and float(alpha) == fused * ALPHA and down.shape[0] == up.shape[1] == fused * RANK
+    conv = _convert_non_diffusers_minimax_h3_lora_to_diffusers(sd)
+    layers = dict(model.named_modules())
+    modules = {k.removeprefix("transformer.").split(".lora_A.")[0] for k in conv if ".lora_A." in k}
+    assert len(modules) == len(lora_parameters(model)) // 2
+    for m in modules:
+        delta = conv[f"transformer.{m}.lora_B.weight"] @ conv[f"transformer.{m}.lora_A.weight"]  # alpha folded
         torch.testing.assert_close(delta, layers[m].get_delta_weight("default"), rtol=1e-6, atol=1e-7)
 
 

@@ -54,6 +54,7 @@ def test_main_job_trains_two_steps_with_the_8_gpu_schedule(first_run):
     assert "8 micro-batches per step as 8 ranks would run them" in r.stdout
     s = json.loads((tmp / "out" / "h3_t2va_sft" / "summary.json").read_text())
     assert s["optimizer_steps"] == 2 and s["global_batch"] == 8 and s["micro_batches_per_step"] == 8
+    assert s["nonfinite_skipped_steps"] == 0 and s["nonfinite_skips"] == []  # counted (miles_ext.finite_step)
     assert s["loss_sigma_buckets"] and all(k.startswith("loss_sigma_") for k in s["loss_sigma_buckets"])
     assert s["data"]["cache_misses"] == s["data"]["rows"] > 0
     assert Path(s["checkpoint"]).is_file() and Path(s["checkpoint"]) == checkpoint(tmp / "out", 1)

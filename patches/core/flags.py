@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from .errors import UserError
 
@@ -89,6 +90,17 @@ VAE_CPU_OFFLOAD = Flag(
     "frozen Wan2.2 VAE parked in pinned host memory, on the GPU only for a micro-batch's encodes",
 )
 
+OPTIM_STATE_OFFLOAD = Flag(
+    "COSMOS_OPTIM_STATE_OFFLOAD",
+    "AdamW exp_avg/exp_avg_sq in one exact-size pinned host arena, streamed to the GPU group by group for "
+    "the optimizer's own step (same kernel, same values)",
+)
+FROZEN_BF16 = Flag(
+    "COSMOS_FROZEN_BF16",
+    "frozen fp32 parameters computed in bf16 are held on the GPU as their bf16 cast; fp32 values stay on "
+    "the host for checkpoints and the EMA (saved tensors unchanged)",
+)
+
 ATTN_BACKEND = ChoiceFlag(
     "COSMOS_ATTN_BACKEND",
     "torch: upstream's attention() runs on PyTorch's own kernels (varlen_attn on CUDA bf16/fp16, "
@@ -96,10 +108,74 @@ ATTN_BACKEND = ChoiceFlag(
     ("torch",),
 )
 
-ALL_FLAGS: tuple[Flag | ChoiceFlag, ...] = (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, ATTN_BACKEND)
+LATENT_CACHE = Flag(
+    "COSMOS_LATENT_CACHE",
+    "lever 4: a pre-pass encodes every (clip, window, size) once into a safetensors latent cache "
+    "($ONECARD_LATENT_CACHE); training reads latents from it and never puts the VAE on the GPU",
+)
+
+ALL_FLAGS: tuple[Flag | ChoiceFlag, ...] = (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, ATTN_BACKEND, LATENT_CACHE,
+                                        OPTIM_STATE_OFFLOAD, FROZEN_BF16)
+
+LATENT_CACHE_DIR = "ONECARD_LATENT_CACHE"
+"""Environment variable naming the latent cache folder (lever 4)."""
+
+
+def latent_cache_dir(environ: dict[str, str] | None = None) -> Path:
+    """The latent cache folder: ``$ONECARD_LATENT_CACHE``, else ``$ONECARD_DATA_CACHE/latents``, else
+    ``~/.cache/onecard/latents`` (the data cache's default, as for the sample dataset)."""
+    env = environ if environ is not None else os.environ
+    if env.get(LATENT_CACHE_DIR):
+        return Path(env[LATENT_CACHE_DIR]).expanduser()
+    return Path(env.get("ONECARD_DATA_CACHE") or Path.home() / ".cache" / "onecard").expanduser() / "latents"
 
 
 def read_all(environ: dict[str, str] | None = None) -> dict[str, bool | Choice]:
     """All flags' values by name (a :class:`Choice` for a :class:`ChoiceFlag`, truthy when on); raises
     :class:`FlagError` on the first bad one."""
     return {f.name: f.value(environ) for f in ALL_FLAGS}
+
+
+@dataclasses.dataclass(frozen=True)
+class CountFlag:
+    """An environment flag that is off (unset/empty), ``auto``, or a whole number >= 0 (any case)."""
+
+    name: str
+    """Environment variable name."""
+    help: str
+    """What ``auto`` and a number do."""
+
+    def value(self, environ: dict[str, str] | None = None) -> Choice:
+        """``Choice("auto")``, ``Choice("<n>")`` or ``Choice("")``; raises :class:`FlagError` on other text."""
+        raw = (environ if environ is not None else os.environ).get(self.name, "")
+        text = raw.strip().lower()
+        if text == "" or text == "auto" or text.isdigit():
+            return Choice(str(int(text)) if text.isdigit() else text)
+        raise FlagError(f"{self.name}={raw!r} is not auto or a whole number: set one of those, or unset it")
+
+
+MILES_ONECARD_FSDP = Flag(
+    "MILES_ONECARD_FSDP",
+    "miles-diffusion on one GPU: onecard's FSDP2 application (offloaded shards in one exact-size pinned arena) "
+    "and a one-rank state load that never moves the whole model to the GPU",
+)
+MILES_RESIDENT_BLOCKS = CountFlag(
+    "MILES_RESIDENT_BLOCKS",
+    "partial residency under --fsdp-cpu-offload (needs MILES_ONECARD_FSDP=1): auto (from the memory model and "
+    "$MILES_GPU_BUDGET_GIB, default the card) or N blocks kept on the GPU, the others streamed with prefetch",
+)
+MILES_GPU_BUDGET_GIB = "MILES_GPU_BUDGET_GIB"
+"""Environment variable: the GPU budget in GiB that ``MILES_RESIDENT_BLOCKS=auto`` fills (default: the card)."""
+
+MILES_FLAGS: tuple[Flag | CountFlag, ...] = (MILES_ONECARD_FSDP, MILES_RESIDENT_BLOCKS)
+"""The flags of the miles-diffusion patch table (``patches.miles_table``)."""
+
+
+def read_miles(environ: dict[str, str] | None = None) -> dict[str, bool | Choice]:
+    """The miles-diffusion flags' values by name; raises :class:`FlagError` on a bad one, or when
+    ``MILES_RESIDENT_BLOCKS`` is set without ``MILES_ONECARD_FSDP``."""
+    values = {f.name: f.value(environ) for f in MILES_FLAGS}
+    if values[MILES_RESIDENT_BLOCKS.name] and not values[MILES_ONECARD_FSDP.name]:
+        raise FlagError(f"{MILES_RESIDENT_BLOCKS.name} needs {MILES_ONECARD_FSDP.name}=1 (partial residency is part "
+                        "of onecard's FSDP application): set it, or unset the residency flag")
+    return values

@@ -7,7 +7,8 @@ Inputs are random latents, so no dataset or VAE is needed.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 
@@ -100,3 +101,19 @@ def make_fsdp_model() -> tuple[torch.nn.Module, list[str]]:
         fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=False))
     fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
     return model, trainable
+
+
+@contextlib.contextmanager
+def one_rank() -> Iterator[None]:
+    """This process as a one-rank gloo group (an in-memory store, no port), for FSDP2 at world size 1 as
+    upstream applies it; a group already present is used and left alone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -15,7 +15,14 @@ README_PLANTED_BUGS = {
     "unpark without copy", "<= fit rule", "no look-ahead", "per-token mean", "missing ÷ grad_accum",
     "missing segment masks", "world-size term in the batch",
     "per-micro-batch mean instead of loss_sum/num_local_pairs", "wrong seed mapping", "bf16 adapters",
-    "plain PEFT init on a bf16 base",
+    "plain PEFT init on a bf16 base", "vision token sees the next sample's text",
+    "latent cache key ignores the window", "latent cache stores bf16", "optimizer state streamed through bf16",
+    "one optimizer stream group skipped", "frozen fp32 values lost at save", "non-finite gradient poisons the adapters",
+    "non-finite loss", "non-finite: ranks decide alone", "H3 latents not normalised", "H3 pixel convention",
+    "ComfyUI fc1 half order", "ComfyUI fused qkv", "block mask: causal diagonal tile marked full",
+    "compiled blocks: a recompile per micro-batch length",
+    "exact pinned memory: the 5 % check accepts the power-of-two rounding",
+    "exact pinned arena: a shard rebound without its values",
 }
 SURVIVOR_KINDS = {  # what survived a mutation run before the independent anchors existed
     "EMA update rule", "trainer beta(iteration - 1)", "resume loses the EMA counter",

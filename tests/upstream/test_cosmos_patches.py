@@ -26,7 +26,8 @@ from patches.guard import UpstreamMismatch
 
 ROOT = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
 KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
-ON = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True, "COSMOS_ATTN_BACKEND": "torch"}
+ON = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True, "COSMOS_ATTN_BACKEND": "torch",
+      "COSMOS_OPTIM_STATE_OFFLOAD": True}
 
 
 def _om():
@@ -223,3 +224,44 @@ def test_vae_offload_on_upstream_wan_vae_is_bit_exact():
         parked = wan.model.encode(x, wan.scale)
     assert torch.equal(resident, parked)
     assert off.parked and wan.scale is off._host_scale and off.stats["unpark_count"] == 1
+
+
+def test_optimizer_state_offload_on_upstream_optimizer_cls_equals_stock():
+    """Upstream's own ``_optimizer_cls`` builds AdamW; patched, its moments stream and the steps are bit-exact."""
+    from cosmos_framework.utils.generator import optimizer as up
+
+    from cosmos_framework_ext.optim_offload import OptimStateOffload
+
+    def steps(opt_cls):
+        torch.manual_seed(0)
+        net = TinyTower()
+        opt = opt_cls([p for p in net.parameters()], "adamw", lr=1e-3, betas=(0.9, 0.95), eps=1e-6,
+                      weight_decay=0.01, fused=False)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            for p in net.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return net, opt
+
+    stock_net, stock_opt = steps(up._optimizer_cls)
+    ps = patch_set()
+    ps.apply({"COSMOS_OPTIM_STATE_OFFLOAD": True})
+    try:
+        net, opt = steps(up._optimizer_cls)
+        assert isinstance(opt._onecard_state_offload, OptimStateOffload)
+        assert all(torch.equal(a, b) for a, b in zip(stock_net.parameters(), net.parameters()))
+        sa, sb = stock_opt.state_dict(), opt.state_dict()
+        assert sa["state"].keys() == sb["state"].keys()
+        assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for i in sa["state"] for k in sa["state"][i])
+    finally:
+        ps.revert()
+
+
+def test_changed_optimizer_cls_signature_is_refused(monkeypatch):
+    from cosmos_framework.utils.generator import optimizer as up
+
+    monkeypatch.setattr(up, "_optimizer_cls", lambda params, optimizer_type, lr: None)
+    with pytest.raises(UpstreamMismatch, match="_optimizer_cls has parameters"):
+        patch_set().apply({"COSMOS_OPTIM_STATE_OFFLOAD": True})

@@ -1,0 +1,359 @@
+"""MiniMax-H3 33 B LoRA on one GPU: all-resident vs full offload vs partial residency, at several clip sizes.
+
+    python benchmarks/h3_1gpu.py [--modes resident,offload,partial] [--clips 17x320x192,81x480x832]
+        [--probe-largest] [--resident-blocks auto] [--gpu-budget-gib 40] [--steps 1] [--micro-batches 2]
+        [--out benchmarks/results]
+    python benchmarks/h3_1gpu.py --smoke      # CPU: tiny preset, gloo, every mode at one tiny clip (tested)
+    python benchmarks/h3_1gpu.py --print-commands [--probe-largest] [--gpu-budget-gib 40] [--out DIR]
+    python benchmarks/h3_1gpu.py --merge DIR  # DIR/*/h3_1gpu.json -> DIR/h3_1gpu.json + DIR/h3_1gpu.md
+
+Every configuration runs in a fresh child process (so host peak = that child's ``VmHWM``, and a GPU OOM ends
+only that configuration) and builds the ``full`` transformer with the trainer's low-RAM init order,
+:func:`miles_ext.fast_init.build_lora_fsdp` (the order of ``miles_ext.train``'s ``_build_model``): parameters on the
+meta device, LoRA rank 64 / alpha 128 on the H3 targets (seed 0), gradient checkpointing, bf16 master, the residency
+plan, :func:`miles_ext.fsdp_policy.apply_fsdp2` with the exact pinned arena, then
+:func:`miles_ext.fast_init.materialise` writes every base tensor straight into its final storage (random init seeded
+per parameter, drawn on the GPU; no full-model copy on the host):
+
+- ``resident``: no offload (the 66 GB of bf16 weights on the card);
+- ``offload``: ``--fsdp-cpu-offload`` as the trainer runs it, shards in the exact pinned arena;
+- ``partial``: ``--resident-blocks`` (``auto``: the memory model for ``--gpu-budget-gib``) blocks on the card,
+  the rest streamed with prefetch, adapters + grads + AdamW on the card, exact pinned arena.
+
+then one warm-up optimizer step and ``--steps`` timed ones, each ``--micro-batches`` accumulated micro-batches
+of one synthetic pair of the clip's latent shape (``F x H x W`` pixels -> video latent ``24 x ((F-1)/4+1) x H/16 x
+W/16``, 256 text rows, silent audio): the recipe's own :func:`miles_ext.sft.train_step` (AdamW, clip 1.0).
+
+Reported per configuration (json keys): ``s_per_step`` (median of the timed steps), ``gpu_peak_gib`` (peak
+allocated over the steps); host memory (GiB): ``host_peak_init_gib`` (``VmHWM`` at the end of init),
+``host_steady_gib`` (``VmRSS`` after the timed steps), ``host_peak_gib`` (``VmHWM`` at the end);
+``pinned_requested_bytes`` (offloaded shard bytes) vs ``pinned_locked_bytes`` (measured,
+:func:`miles_ext.pinned.locked_bytes`); init time (s): ``init_s`` = ``init_build_s`` (``init_meta_shard_s``: meta
+build + LoRA + plan + sharding + arena allocation, plus ``init_materialise_s``) + ``init_rest_s`` (process group,
+synthetic data, ``.to(device)``, optimizer); ``import_s`` (imports, outside ``init_s``); ``init_path``,
+``base_init``, ``meta_params_before_sharding`` (= ``base_tensors``: no base weight had storage before it got its
+final one); ``resident_blocks``, ``residency_plan``, ``optimizer_device``. ``--probe-largest`` adds the largest
+480x832 clip (121, 161, 201, 241 frames tried in order) whose resident run completes. Writes ``h3_1gpu.json`` and a
+markdown table ``h3_1gpu.md`` into ``--out``; random weights: timings and memory are the real architecture's,
+losses mean nothing.
+
+GPU commands, each within a 10-minute command (``--print-commands`` prints them for the chosen ``--modes`` /
+``--clips`` / ``--probe-largest`` / ``--gpu-budget-gib``): one configuration per command with ``--timeout-s 540``
+(a configuration that runs longer becomes a failed row; the command still writes its json), each into its own
+``--out`` folder, then ``--merge`` the folder. The default matrix::
+
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/17x320x192_resident
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/17x320x192_offload
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes partial --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --resident-blocks auto --gpu-budget-gib 40 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/17x320x192_partial
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/81x480x832_resident
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/81x480x832_offload
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes partial --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --resident-blocks auto --gpu-budget-gib 40 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/81x480x832_partial
+    python benchmarks/h3_1gpu.py --merge benchmarks/results/h3_1gpu_runs
+
+(``--probe-largest`` puts ``--modes resident --clips {121,161,201,241}x480x832`` first; stop after the first that
+fails.) ``ulimit -l unlimited``: the arena registers ~66 GB (offload; less for partial). Time per configuration on
+an H200 is not measured yet; once a configuration is seen to take < 280 s, two can share a command
+(``--modes a,b --timeout-s 280``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+MODES = ("resident", "offload", "partial")
+DEFAULT_CLIPS = "17x320x192,81x480x832"
+PROBE_FRAMES = (121, 161, 201, 241)
+
+
+def parse_clip(text: str) -> tuple[int, int, int]:
+    """``"FxHxW"`` -> (frames, height, width); ``ValueError`` otherwise."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"clip {text!r}: use FRAMESxHEIGHTxWIDTH, e.g. 81x480x832")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def synthetic_pair(preset, clip: tuple[int, int, int], spatial: int, temporal: int, text_rows: int, seed: int = 0):
+    """One clean pair with the latent shapes of ``clip`` (random values; fp32 on the CPU)."""
+    import torch
+
+    from miles_ext.sft import SftPair
+
+    f, h, w = clip
+    t, lh, lw = (f - 1) // temporal + 1, max(2, h // spatial), max(2, w // spatial)
+    lh, lw = lh - lh % 2, lw - lw % 2
+    g = torch.Generator().manual_seed(seed)
+    return SftPair(text=torch.randn(text_rows, preset.text_dim, generator=g),
+                   video=torch.randn(preset.in_channels, t, lh, lw, generator=g),
+                   audio=torch.zeros(2, preset.audio_in_channels, max(2, 4 * t)))
+
+
+def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
+    """One configuration in this process (the child); returns its result dict."""
+    import torch
+
+    from miles_ext import fast_init
+    from miles_ext.lora import lora_parameters
+    from miles_ext.pinned import locked_bytes, pinned_report, proc_status_kib
+    from miles_ext.presets import get_preset
+    from miles_ext.recipe import pair_schedule
+    from miles_ext.residency import block_bytes, parse_resident_blocks, plan_resident_blocks, select_resident
+    from miles_ext.sft import train_step
+    from patches.core.runtime import GiB, free_port, host_rss, median
+
+    ti = time.perf_counter()
+    for name in ("accelerate", "peft", "diffusers.models.transformers.transformer_minimax_h3"):
+        importlib.import_module(name)  # import time reported apart (import_s), not inside init_s
+    import_s = time.perf_counter() - ti
+    cuda = torch.cuda.is_available() and not a.smoke
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    t0 = time.perf_counter()
+    rss_start = host_rss()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=0, world_size=1)
+    preset = get_preset("tiny" if a.smoke else "full")
+    mesh = None
+    if not cuda:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1,))
+    pair = synthetic_pair(preset, parse_clip(clip), 4 if a.smoke else 16, 2 if a.smoke else 4, 4 if a.smoke else 256)
+    tokens = pair.video[0].numel() // 4 + pair.text.shape[0] + pair.audio.shape[-1]
+    offload = mode != "resident"
+    plan_terms = {}
+
+    def plan_resident(model):
+        """``partial``: the resident block indices (``auto``: the memory model on the meta model's stored dtypes)."""
+        if mode != "partial":
+            return None
+        sizes, root, adapters = block_bytes(model)
+        value = parse_resident_blocks(a.resident_blocks)
+        if value == "auto":
+            budget = (a.gpu_budget_gib * GiB if a.gpu_budget_gib else
+                      (torch.cuda.get_device_properties(0).total_memory if cuda else 1 * GiB))
+            plan = plan_resident_blocks(sizes, root, adapters, budget_bytes=int(budget), tokens=tokens,
+                                        hidden=preset.hidden_size, ffn_dim=preset.ffn_dim,
+                                        reserve_gib=0.0 if a.smoke else 3.0)
+            print(f"onecard: {plan.line()}", flush=True)
+            plan_terms["line"] = plan.line()
+            value = plan.resident_blocks
+        return select_resident(len(sizes), min(int(value), len(sizes)))
+
+    # the trainer's low-RAM init order (miles_ext.train's _build_model): meta build, LoRA, master dtype, residency
+    # plan, FSDP2 with the exact arena, then every base tensor written straight into its final storage
+    rss_before_build = host_rss()
+    built = fast_init.build_lora_fsdp(preset, seed=0, lora=dict(rank=a.lora_rank, alpha=2 * a.lora_rank),
+                                      master_dtype="bf16" if cuda else "fp32", cpu_offload=offload,
+                                      source=fast_init.RandomInit(0, draw_device=None if cuda else "cpu"),
+                                      plan_resident=plan_resident, mesh=mesh,
+                                      param_dtype=torch.bfloat16 if cuda else None)
+    model, resident = built.model, built.resident
+    if cuda and not offload:
+        model.to(device)
+    lora = lora_parameters(model)
+    opt = torch.optim.AdamW(list(lora.values()), lr=1e-4)
+    init_s = time.perf_counter() - t0
+    status = proc_status_kib(("VmHWM", "VmRSS"))
+    host_peak_init, host_after_init = status["VmHWM"] * 1024 / GiB, status["VmRSS"] * 1024 / GiB
+    pairs = [pair] * (a.micro_batches * (a.steps + 1))
+    sched = pair_schedule(a.micro_batches, a.micro_batches, a.steps + 1, 1)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for i, slots in enumerate(sched):
+        ts = time.perf_counter()
+        train_step(model, opt, slots, pairs, seed=0, max_grad_norm=1.0, device=device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i > 0:
+            times.append(time.perf_counter() - ts)
+    rep = pinned_report(model)
+    locked = locked_bytes()
+    status = proc_status_kib(("VmHWM", "VmRSS"))
+    opt_dev = next(iter(opt.state.values()))["exp_avg"].device.type if opt.state else "none"
+    torch.distributed.destroy_process_group()
+    build_s = built.build_s + built.materialise_s
+    return {"mode": mode, "clip": clip, "tokens": tokens, "resident_blocks": len(resident) if resident is not None
+            else (0 if offload else "all"), "s_per_step": median(times), "s_per_step_all": times,
+            "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GiB if cuda else 0.0,
+            "host_peak_gib": status["VmHWM"] * 1024 / GiB,
+            "host_peak_init_gib": host_peak_init, "host_after_init_gib": host_after_init,
+            "host_steady_gib": status["VmRSS"] * 1024 / GiB,
+            "host_start_gib": rss_start / GiB, "host_before_build_gib": rss_before_build / GiB,
+            "pinned_requested_bytes": rep.requested_bytes if rep else 0, "pinned_locked_bytes": locked["total"],
+            "locked": locked, "import_s": import_s, "init_s": init_s, "init_build_s": build_s, "init_meta_shard_s": built.build_s,
+            "init_materialise_s": built.materialise_s, "init_rest_s": init_s - build_s,
+            "init_path": "fast_init.build_lora_fsdp", "base_init": built.report.source,
+            "base_tensors": built.report.tensors, "base_bytes": built.report.bytes,
+            "meta_params_before_sharding": built.meta_params_before_sharding,
+            "residency_plan": plan_terms.get("line"), "optimizer_device": opt_dev, "ok": True}
+
+
+def child(mode: str, clip: str, argv: list[str], timeout: float) -> dict:
+    """Run one configuration in a fresh process; an OOM or crash is a result with ``ok: False``."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", mode, clip, *argv]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "clip": clip, "ok": False, "error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
+    return {"mode": mode, "clip": clip, "ok": False, "error": " | ".join(tail)}
+
+
+def table(results: list[dict]) -> str:
+    """The results as a markdown table (init split: model = meta build + LoRA + FSDP2 + materialise, rest = process
+    group, synthetic data, ``.to(device)``, optimizer; host GiB: peak through init / steady after the timed steps /
+    peak overall)."""
+    rows = ["| clip | mode | resident blocks | s/step | GPU peak GiB | host GiB init peak / steady / peak "
+            "| pinned asked GB | locked GB | init s (model + materialise / rest) | optimizer |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if not r.get("ok"):
+            rows.append(f"| {r['clip']} | {r['mode']} | | failed: {r.get('error', '')[:80]} | | | | | | |")
+            continue
+        rows.append(f"| {r['clip']} | {r['mode']} | {r['resident_blocks']} | {r['s_per_step']:.2f} | "
+                    f"{r['gpu_peak_gib']:.1f} | {r['host_peak_init_gib']:.1f} / {r['host_steady_gib']:.1f} / "
+                    f"{r['host_peak_gib']:.1f} | {r['pinned_requested_bytes'] / 1e9:.2f} | "
+                    f"{r['pinned_locked_bytes'] / 1e9:.2f} | {r['init_s']:.0f} ({r['init_meta_shard_s']:.0f} + "
+                    f"{r['init_materialise_s']:.0f} / {r['init_rest_s']:.0f}) | {r['optimizer_device']} |")
+    return "\n".join(rows) + "\n"
+
+
+COMMAND_LIMIT_S = 600
+"""One GPU command's wall limit (the device tool's per-command limit)."""
+CHILD_TIMEOUT_S = 540
+"""``--timeout-s`` of a printed command: the configuration is killed (a failed row, the json still written) before
+the command reaches :data:`COMMAND_LIMIT_S` (60 s left for the parent's start and the write)."""
+RUNS_DIR = "benchmarks/results/h3_1gpu_runs"
+"""Default parent folder of the printed commands' ``--out`` (one sub-folder per configuration; ``--merge`` it)."""
+
+
+def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Namespace, out: str) -> list[str]:
+    """One shell command per (clip, mode) configuration, each within :data:`COMMAND_LIMIT_S`; with ``probe``, first
+    the resident probes of the 480x832 clips (:data:`PROBE_FRAMES`, in order: stop at the first failure); last the
+    ``--merge`` of every result into ``out``'s table."""
+    opts = f"--steps {a.steps} --micro-batches {a.micro_batches} --lora-rank {a.lora_rank}"
+    configs = [(m, c) for c in clips for m in modes]
+    if probe:
+        configs = [("resident", f"{f}x480x832") for f in PROBE_FRAMES] + configs
+    cmds = ["# --probe-largest: the first 4 commands probe resident 480x832 clips; stop probing after the first that "
+            "fails"] if probe else []
+    for m, c in configs:
+        extra = ""
+        if m == "partial":
+            extra = f" --resident-blocks {a.resident_blocks}" + (f" --gpu-budget-gib {a.gpu_budget_gib:g}"
+                                                                 if a.gpu_budget_gib else "")
+        cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes {m} --clips {c} {opts}{extra} "
+                    f"--timeout-s {CHILD_TIMEOUT_S} --out {out}/{c}_{m}")
+    cmds.append(f"python benchmarks/h3_1gpu.py --merge {out}")
+    return cmds
+
+
+def merge(folder: Path) -> list[dict]:
+    """Every ``<folder>/*/h3_1gpu.json`` (the printed commands' results), clip by clip in :data:`MODES` order, written
+    to ``<folder>/h3_1gpu.json`` and ``<folder>/h3_1gpu.md``; ``UserError``-style ``ValueError`` when none is found."""
+    results = []
+    for f in sorted(folder.glob("*/h3_1gpu.json")):
+        results += json.loads(f.read_text())
+    if not results:
+        raise ValueError(f"--merge {folder}: no */h3_1gpu.json under it: run the printed commands first")
+    results.sort(key=lambda r: (parse_clip(r["clip"]), MODES.index(r["mode"]) if r["mode"] in MODES else 9))
+    (folder / "h3_1gpu.json").write_text(json.dumps(results, indent=2))
+    (folder / "h3_1gpu.md").write_text(table(results))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python benchmarks/h3_1gpu.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default=",".join(MODES), help="comma list of resident, offload, partial")
+    ap.add_argument("--clips", default=DEFAULT_CLIPS, help="comma list of FRAMESxHEIGHTxWIDTH")
+    ap.add_argument("--probe-largest", action="store_true", help="add the largest 480x832 clip the resident run holds")
+    ap.add_argument("--resident-blocks", default="auto", help="partial mode: auto or a number of blocks")
+    ap.add_argument("--gpu-budget-gib", type=float, default=None, help="partial auto: GPU budget (default: the card)")
+    ap.add_argument("--steps", type=int, default=1, help="timed optimizer steps after one warm-up step")
+    ap.add_argument("--micro-batches", type=int, default=2, help="accumulated micro-batches per optimizer step")
+    ap.add_argument("--lora-rank", type=int, default=64)
+    ap.add_argument("--timeout-s", type=float, default=900.0, help="per configuration")
+    ap.add_argument("--out", default=None, help=f"results folder (default {HERE / 'results'}; with "
+                    f"--print-commands the parent of one folder per command, default {RUNS_DIR})")
+    ap.add_argument("--smoke", action="store_true", help="CPU: tiny preset, one tiny clip, every mode")
+    ap.add_argument("--print-commands", action="store_true",
+                    help=f"print one GPU command per (clip, mode), each under {COMMAND_LIMIT_S} s, and the --merge")
+    ap.add_argument("--merge", metavar="DIR", help="combine DIR/*/h3_1gpu.json into DIR/h3_1gpu.json + .md")
+    ap.add_argument("--one", nargs=2, metavar=("MODE", "CLIP"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.one:
+        print("RESULT " + json.dumps(run_one(a.one[0], a.one[1], a)), flush=True)
+        return 0
+    if a.merge:
+        try:
+            results = merge(Path(a.merge))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(table(results))
+        return 0
+    modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        print(f"error: --modes {','.join(bad)}: use {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    clips = ["9x16x16"] if a.smoke else [c for c in a.clips.split(",") if c]
+    try:
+        for c in clips:
+            parse_clip(c)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.print_commands:
+        if a.smoke:
+            print("error: --print-commands lists the GPU runs; --smoke runs on the CPU: drop one of them", file=sys.stderr)
+            return 2
+        print("\n".join(gpu_commands(modes, clips, a.probe_largest, a, a.out or RUNS_DIR)))
+        return 0
+    passthrough = [f"--resident-blocks={a.resident_blocks}", f"--steps={a.steps}",
+                   f"--micro-batches={a.micro_batches}", f"--lora-rank={a.lora_rank}"]
+    if a.gpu_budget_gib:
+        passthrough.append(f"--gpu-budget-gib={a.gpu_budget_gib}")
+    if a.smoke:  # the tiny model fits any budget: stream 3 of its 4 blocks so that partial residency streams
+        passthrough = [x for x in passthrough if not x.startswith("--resident-blocks")]
+        passthrough += ["--smoke", "--resident-blocks=1"]
+    if a.probe_largest and not a.smoke:
+        largest = None
+        for f in PROBE_FRAMES:
+            r = child("resident", f"{f}x480x832", passthrough, a.timeout_s)
+            print(f"probe {f}x480x832 resident: {'ok' if r.get('ok') else 'failed'}", flush=True)
+            if not r.get("ok"):
+                break
+            largest = f"{f}x480x832"
+        if largest:
+            clips.append(largest)
+    results = []
+    for c in clips:
+        for m in modes:
+            r = child(m, c, passthrough, a.timeout_s)
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    out = Path(a.out or HERE / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "h3_1gpu.json").write_text(json.dumps(results, indent=2))
+    (out / "h3_1gpu.md").write_text(table(results))
+    print(table(results))
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

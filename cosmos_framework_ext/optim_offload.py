@@ -1,0 +1,280 @@
+"""Optimizer-state streaming (``COSMOS_OPTIM_STATE_OFFLOAD=1``): AdamW's moments live on the host, the step is stock.
+
+Between optimizer steps, ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with ``amsgrad``) of every
+parameter live in ONE exact-size host arena (:class:`patches.core.host_arena.HostArena`, page-locked when
+CUDA is present), in the dtype and shape the stock optimizer gives them (``torch.zeros_like(param)``: fp32
+for an fp32 master, bf16 for a bf16 one). At ``optimizer.step()`` they stream to the parameters' device in
+*stream groups* (consecutive parameters of one param group, at most ``group_bytes`` of state each):
+
+1. group ``i + 1``'s host->device copies are issued on a side stream *before* group ``i`` steps, so the
+   copy engine moves the next group while the compute stream runs this one;
+2. group ``i``'s entries in ``optimizer.state`` are pointed at the device copies and the optimizer's OWN
+   ``step()`` runs with its param groups restricted to group ``i``'s parameters: the same fused / foreach /
+   single-tensor kernel torch picks for stock, the same hyper-parameters (lr, betas, eps, weight decay,
+   ``step`` counters), nothing re-implemented. Adam is elementwise, so stepping a subset computes each
+   element exactly as one whole step does;
+3. group ``i``'s new state streams back (device->host on a second side stream, after the step's event) and
+   ``optimizer.state`` points at the host arena again. The step returns once every copy has landed.
+
+On a CPU the "device" is the host: the same code runs with plain copies and no streams (no overlap, no
+saving; the path is the one the GPU takes, which is what the CPU proofs exercise).
+
+What stays stock: gradients (accumulation, clipping: they never move), ``optimizer.param_groups``, the
+``step`` counters (left where torch puts them), ``optimizer.state_dict()`` (same keys, dtypes and values;
+the moments' tensors are the host arena's, so their device is the CPU), ``optimizer.load_state_dict()``
+(a post-hook copies the loaded moments into the arena). A first step initialises the state as stock does
+(on the device, zeros), then it streams out. FSDP2 (DTensor) parameters keep DTensor state: the host
+copy is the local shard, wrapped with the parameter's mesh and placements.
+
+GPU memory during the step: at most three stream groups of state at once (the one stepping, the next
+arriving, the previous leaving), i.e. <= 3 x ``group_bytes``; between steps none. Host: 2 x (bytes of the
+trainable parameters), pinned (10.54 GiB for the 1.415 B Edge subset at an fp32 master, 5.27 GiB at bf16).
+Copies move that twice per optimizer step over PCIe (about 0.4-0.8 s at 25-50 GB/s for fp32 Edge), once per
+``grad_accum_iter`` micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
+import torch
+
+from patches.core.errors import UserError
+from patches.core.host_arena import HostArena
+from patches.core.runtime import to_local
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+"""The per-parameter state tensors that stream (``max_exp_avg_sq`` only exists with ``amsgrad``)."""
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW)
+"""Optimizer classes whose state layout this module knows."""
+
+
+def _wrap_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor with ``like``'s spec (mesh, placements, global shape and stride) when ``like`` is a
+    DTensor, else ``local`` itself. No data moves: the local tensor may live on the host while the mesh is CUDA
+    (``DTensor.from_local`` would copy it to the mesh's device, so the constructor is used with ``like``'s spec)."""
+    if not hasattr(like, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
+@dataclasses.dataclass
+class StreamGroup:
+    """Parameters whose state streams together (all from one param group)."""
+
+    group_index: int
+    """Index into ``optimizer.param_groups``."""
+    params: list[torch.nn.Parameter]
+    """The parameters, in the param group's order."""
+    nbytes: int
+    """Bytes of their streamed state."""
+
+
+class OptimStateOffload:
+    """Keeps a ``torch.optim.Adam``/``AdamW``'s moments in a host arena and streams them for each step.
+
+    Construct it after the optimizer (its state may be empty or loaded); it replaces ``optimizer.step``
+    on the instance and registers a ``load_state_dict`` post-hook. :meth:`close` undoes both.
+
+    Args:
+        optimizer: the optimizer (``Adam`` or ``AdamW``; any ``fused``/``foreach`` setting).
+        group_bytes: most bytes of state per stream group (a parameter larger than this is a group alone).
+        pin: page-lock the arena (when CUDA is present).
+
+    Attributes:
+        groups: the stream groups, in step order.
+        arena: the host arena (``nbytes``, ``pinned_bytes``).
+        stats: ``steps``, ``h2d_bytes``, ``d2h_bytes``.
+
+    Raises:
+        UserError: the optimizer is not ``Adam``/``AdamW``, or its parameters are not all on one device.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, group_bytes: int = 256 << 20, pin: bool = True):
+        if not isinstance(optimizer, SUPPORTED):
+            raise UserError(f"COSMOS_OPTIM_STATE_OFFLOAD=1 streams torch.optim.Adam/AdamW state; this optimizer is "
+                            f"{type(optimizer).__name__}: use AdamW or unset COSMOS_OPTIM_STATE_OFFLOAD")
+        self.optimizer = optimizer
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        devices = {to_local(p).device for p in params}
+        if len(devices) > 1:
+            raise UserError(f"COSMOS_OPTIM_STATE_OFFLOAD=1 needs the parameters on one device, found {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        amsgrad = any(g.get("amsgrad", False) for g in optimizer.param_groups)
+        self.keys = MOMENT_KEYS if amsgrad else MOMENT_KEYS[:2]
+        specs, self._slots = [], {}
+        for p in params:
+            local = to_local(p)
+            for k in self.keys:
+                self._slots[(id(p), k)] = len(specs)
+                specs.append((tuple(local.shape), local.dtype))  # stock: torch.zeros_like(param)
+        self.arena = HostArena(specs, pin=pin, name="optimizer-state")
+        self.groups = self._plan(group_bytes)
+        cuda = self.device.type == "cuda"
+        self._h2d = torch.cuda.Stream(self.device) if cuda else None
+        self._d2h = torch.cuda.Stream(self.device) if cuda else None
+        self.stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+        self._stock_step = optimizer.step  # bound: whatever wraps it (the LR scheduler's counter, hooks) runs
+        self._restricted: Callable[..., Any] | None = None
+        self._hook = optimizer.register_load_state_dict_post_hook(lambda opt: self._adopt())
+
+        def step(closure=None):
+            return self.step(closure)
+
+        if hasattr(self._stock_step, "_wrapped_by_lr_sched"):  # keep the LR scheduler's order check quiet
+            step._wrapped_by_lr_sched = True
+        optimizer.step = step
+        self._adopt()
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _plan(self, group_bytes: int) -> list[StreamGroup]:
+        """Consecutive parameters of each param group, cut where the next would pass ``group_bytes``."""
+        out: list[StreamGroup] = []
+        for gi, g in enumerate(self.optimizer.param_groups):
+            cur: list[torch.nn.Parameter] = []
+            size = 0
+            for p in g["params"]:
+                local = to_local(p)
+                b = local.numel() * local.element_size() * len(self.keys)
+                if cur and size + b > group_bytes:
+                    out.append(StreamGroup(gi, cur, size))
+                    cur, size = [], 0
+                cur.append(p)
+                size += b
+            if cur:
+                out.append(StreamGroup(gi, cur, size))
+        return out
+
+    def host(self, p: torch.nn.Parameter, key: str) -> torch.Tensor:
+        """The arena view holding ``p``'s ``key`` moment (the local shard for a DTensor parameter)."""
+        return self.arena.tensors[self._slots[(id(p), key)]]
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held (the arena)."""
+        return self.arena.pinned_bytes
+
+    @torch.no_grad()
+    def _adopt(self) -> None:
+        """Point every existing moment at its arena view, copying it there first (after a load or a step)."""
+        for p, st in self.optimizer.state.items():
+            if (id(p), self.keys[0]) not in self._slots:
+                continue
+            for k in self.keys:
+                v = st.get(k)
+                if v is None:
+                    continue
+                h = self.host(p, k)
+                if to_local(v).data_ptr() != h.data_ptr():
+                    h.copy_(to_local(v))
+                st[k] = _wrap_like(h, v)
+
+    # ------------------------------------------------------------------ the stream
+    def _chunks_to_run(self) -> list[StreamGroup]:
+        """The stream groups holding a parameter with a gradient (stock skips parameters without one)."""
+        return [g for g in self.groups if any(p.grad is not None for p in g.params)]
+
+    def _fetch(self, group: StreamGroup) -> tuple[dict[tuple[int, str], torch.Tensor], Any]:
+        """Start the host->device copies of ``group``'s existing moments; returns the device locals and the
+        CUDA event that marks their arrival (``None`` on the CPU)."""
+        out: dict[tuple[int, str], torch.Tensor] = {}
+        ctx = torch.cuda.stream(self._h2d) if self._h2d is not None else contextlib.nullcontext()
+        with ctx:
+            for p in group.params:
+                st = self.optimizer.state.get(p)
+                if not st:
+                    continue  # first step: the optimizer initialises this state itself (zeros, on the device)
+                for k in self.keys:
+                    if k in st:
+                        h = self.host(p, k)
+                        d = torch.empty_like(h, device=self.device)
+                        d.copy_(h, non_blocking=True)
+                        out[(id(p), k)] = d
+                        self.stats["h2d_bytes"] += h.numel() * h.element_size()
+            event = torch.cuda.Event() if self._h2d is not None else None
+            if event is not None:
+                event.record()
+        return out, event
+
+    def _install(self, group: StreamGroup, fetched: dict[tuple[int, str], torch.Tensor], event) -> None:
+        """Wait (on the device) for ``group``'s copies, then point its state at the device tensors."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        for p in group.params:
+            st = self.optimizer.state.get(p)
+            for k in self.keys:
+                d = fetched.get((id(p), k))
+                if d is not None:
+                    if self._h2d is not None:
+                        d.record_stream(torch.cuda.current_stream(self.device))
+                    st[k] = _wrap_like(d, st[k])
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One device->host copy of a moment (on the D2H stream on CUDA)."""
+        dst.copy_(src, non_blocking=True)
+
+    def _writeback(self, group: StreamGroup) -> None:
+        """Stream ``group``'s new state back to the arena (after the step, on the D2H stream) and re-point it."""
+        if self._d2h is not None:
+            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
+        ctx = torch.cuda.stream(self._d2h) if self._d2h is not None else contextlib.nullcontext()
+        with ctx:
+            for p in group.params:
+                st = self.optimizer.state.get(p)
+                if not st:
+                    continue
+                for k in self.keys:
+                    v = st.get(k)
+                    if v is None:
+                        continue
+                    d, h = to_local(v), self.host(p, k)
+                    if self._d2h is not None:
+                        d.record_stream(self._d2h)
+                    self._to_host(h, d)
+                    self.stats["d2h_bytes"] += h.numel() * h.element_size()
+                    st[k] = _wrap_like(h, v)
+
+    def _step_only(self, group: StreamGroup, closure) -> Any:
+        """The optimizer's own ``step`` with its param groups restricted to ``group``'s parameters."""
+        saved = [g["params"] for g in self.optimizer.param_groups]
+        try:
+            for gi, g in enumerate(self.optimizer.param_groups):
+                g["params"] = group.params if gi == group.group_index else []
+            return self._stock_step(closure) if closure is not None else self._stock_step()
+        finally:
+            for g, ps in zip(self.optimizer.param_groups, saved):
+                g["params"] = ps
+
+    @torch.no_grad()
+    def step(self, closure=None) -> Any:
+        """``optimizer.step()``: stream each group in, run the stock step on it, stream it out (see module doc)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        todo = self._chunks_to_run()
+        if not todo:
+            return loss
+        nxt = self._fetch(todo[0])
+        for i, group in enumerate(todo):
+            cur = nxt
+            if i + 1 < len(todo):  # the next group's copy overlaps this group's step
+                nxt = self._fetch(todo[i + 1])
+            self._install(group, *cur)
+            self._step_only(group, None)
+            self._writeback(group)
+            del cur
+        if self._d2h is not None:
+            self._d2h.synchronize()
+        self.stats["steps"] += 1
+        return loss
+
+    def close(self) -> None:
+        """Restore ``optimizer.step`` and remove the load hook. The moments stay in the arena (moving them back
+        to the device at the end of a run could exceed a capped card); the arena lives as long as they do."""
+        self.optimizer.step = self._stock_step
+        self._hook.remove()

@@ -1,0 +1,181 @@
+"""Partial residency (``miles_ext.residency`` through ``apply_fsdp2(resident=...)``): the same gradients and weights
+as the all-resident run and as full offload.
+
+One gloo rank (CPU mesh), the tiny H3 preset with LoRA (rank 8, gaussian init), fp32 throughout (master, compute,
+reduce), the recipe's schedule for 2 optimizer steps of global batch 4 (AdamW, clip 0.05). Modes:
+
+- ``resident``: ``cpu_offload=False`` (every unit on the compute device);
+- ``offload``: plain ``--fsdp-cpu-offload`` (every unit offloaded, FSDP2's own host storage);
+- ``offload_exact``: full offload, shards in the exact arena (``exact_pin``);
+- ``partial1`` / ``partial0``: 1 / 0 of the 4 blocks resident, the others streamed with prefetch, adapters on
+  the device, shards in the exact arena.
+
+Claims: the LoRA gradients of step 1 and the LoRA weights after 2 steps are **bitwise** equal across all modes.
+On the CPU every mode's optimizer runs on the CPU, so the placement is the same everywhere; on a GPU
+(``test_cuda_*``, for the device machine) partial residency keeps the optimizer on the GPU as all-resident does
+(weights equal bitwise), while full offload steps AdamW on the host (gradients equal, weights compared with a
+tolerance). Planted bug: a streamed shard rebound into the arena without its values (``rebind_shard(copy=False)``:
+the block computes with zeros) must break the gradient check.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.equivalence.h3_ranks import cpu_mesh, launch
+
+MODES = {
+    "resident": dict(cpu_offload=False),
+    "offload": dict(cpu_offload=True),
+    "offload_exact": dict(cpu_offload=True, exact_pin=True),
+    "partial1": dict(cpu_offload=True, resident=[1], adapters_on_device=True, exact_pin=True),
+    "partial0": dict(cpu_offload=True, resident=[], adapters_on_device=True, exact_pin=True),
+}
+GBS, STEPS = 4, 2
+
+
+def run_mode(mesh=None, device=None, bug: str = "", **kw) -> dict[str, dict[str, torch.Tensor]]:
+    """Train 2 steps on a fresh tiny H3 + LoRA sharded as ``kw`` says; full grads after step 1, weights after."""
+    from miles_ext.fsdp_policy import apply_fsdp2
+    from miles_ext.lora import lora_parameters
+    from miles_ext.recipe import pair_schedule
+    from miles_ext.sft import train_step
+    from miles_ext.tiny_run import OPTIM, make_lora_model, synthetic_pairs
+
+    pairs = synthetic_pairs(GBS * STEPS)
+    model = make_lora_model()
+    apply_fsdp2(model, param_dtype=None, reduce_dtype=torch.float32, mesh=mesh, **kw)
+    if bug == "no_copy":
+        from miles_ext.pinned import offloaded_fsdp_params, rebind_shard
+
+        fp = offloaded_fsdp_params(model)[-1]  # a streamed block's (or the root's) last shard
+        rebind_shard(fp, torch.zeros_like(fp._sharded_param_data), copy=False)
+    lora = lora_parameters(model)
+    opt = torch.optim.AdamW(list(lora.values()), **OPTIM)
+    out: dict[str, dict[str, torch.Tensor]] = {"grads": {}}
+
+    def snap() -> None:
+        if not out["grads"]:
+            out["grads"] = {n: p.grad.full_tensor().detach().cpu().clone() for n, p in lora.items()}
+
+    for slots in pair_schedule(GBS, 1, STEPS, 1)[:STEPS]:
+        train_step(model, opt, slots, pairs, seed=3, max_grad_norm=0.05, after_backward=snap, device=device)
+    out["weights"] = {n: p.full_tensor().detach().cpu().clone() for n, p in lora.items()}
+    out["opt_device"] = {"": torch.tensor([next(iter(opt.state.values()))["exp_avg"].device.type == "cuda"])}
+    return out
+
+
+def _worker(rank: int, world: int, out_dir: str) -> None:
+    results = {name: run_mode(cpu_mesh(), **kw) for name, kw in MODES.items()}
+    results["bug_no_copy"] = run_mode(cpu_mesh(), bug="no_copy", **MODES["partial1"])
+    torch.save(results, Path(out_dir) / "modes.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("residency")
+    launch(_worker, 1, str(out))
+    return torch.load(out / "modes.pt")
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "resident"])
+def test_gradients_and_weights_bitwise_equal_all_resident(results, mode):
+    ref = results["resident"]
+    assert any(g.abs().sum() > 0 for g in ref["grads"].values())
+    assert _equal(results[mode]["grads"], ref["grads"]), f"{mode}: step-1 LoRA gradients differ"
+    assert _equal(results[mode]["weights"], ref["weights"]), f"{mode}: LoRA weights after {STEPS} steps differ"
+
+
+def test_planted_bug_shard_without_values_is_caught(results):
+    assert not _equal(results["bug_no_copy"]["grads"], results["resident"]["grads"])
+
+
+def test_select_resident_spreads_streamed_blocks():
+    from miles_ext.residency import select_resident
+
+    for n_blocks, n in ((50, 11), (50, 0), (50, 50), (4, 1), (53, 20)):
+        keep = select_resident(n_blocks, n)
+        assert len(keep) == n and keep == sorted(set(keep)) and all(0 <= i < n_blocks for i in keep)
+    streamed = [i for i in range(50) if i not in select_resident(50, 25)]
+    assert max(b - a for a, b in zip(streamed, streamed[1:])) == 2  # every other block
+
+
+def test_auto_plan_fits_budget_and_grows_with_it():
+    from miles_ext.presets import FULL
+    from miles_ext.residency import plan_resident_blocks
+    from patches.core.errors import UserError
+    from patches.core.runtime import GiB
+
+    sizes, root, adapters = [1_290_000_000] * 50, 200_000_000, 1_330_000_000
+    kw = dict(tokens=9000, hidden=FULL.hidden_size, ffn_dim=FULL.ffn_dim)
+    p40 = plan_resident_blocks(sizes, root, adapters, budget_bytes=40 * GiB, **kw)
+    p140 = plan_resident_blocks(sizes, root, adapters, budget_bytes=139 * GiB, **kw)
+    assert 0 < p40.resident_blocks < p140.resident_blocks <= 50
+    assert p40.total_bytes <= 40 * GiB and "resident" in p40.line()
+    with pytest.raises(UserError, match="gpu-budget-gib"):
+        plan_resident_blocks(sizes, root, adapters, budget_bytes=5 * GiB, **kw)
+
+
+def test_parse_resident_blocks():
+    from miles_ext.residency import parse_resident_blocks
+    from patches.core.errors import UserError
+
+    assert parse_resident_blocks("auto") == "auto" and parse_resident_blocks("12") == 12
+    assert parse_resident_blocks(None) is None and parse_resident_blocks("") is None
+    for bad in ("-1", "many", "1.5"):
+        with pytest.raises(UserError, match="fsdp-resident-blocks"):
+            parse_resident_blocks(bad)
+
+
+# ------------------------------------------------------------------------------- on the GPU (device machine)
+def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
+    torch.cuda.set_device(0)
+    torch.use_deterministic_algorithms(True)
+    results = {name: run_mode(None, device="cuda", **kw) for name, kw in MODES.items()}
+    torch.save(results, Path(out_dir) / "cuda.pt")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_cuda_modes_gradients_bitwise_and_optimizer_placement(tmp_path, monkeypatch):
+    """On the GPU: gradients bitwise equal in every mode; partial residency steps AdamW on the GPU and its weights
+    equal the all-resident run's bitwise; full offload steps AdamW on the host (weights within 1e-5)."""
+    import torch.multiprocessing as mp
+
+    from patches.core.runtime import free_port
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    p = ctx.Process(target=_cuda_entry, args=(port, str(tmp_path)))
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+    res = torch.load(tmp_path / "cuda.pt")
+    ref = res["resident"]
+    assert bool(ref["opt_device"][""])
+    for mode in MODES:
+        assert _equal(res[mode]["grads"], ref["grads"]), mode
+    for mode in ("partial1", "partial0"):
+        assert bool(res[mode]["opt_device"][""]) and _equal(res[mode]["weights"], ref["weights"]), mode
+    for mode in ("offload", "offload_exact"):
+        assert not bool(res[mode]["opt_device"][""])
+        for k, w in ref["weights"].items():
+            torch.testing.assert_close(res[mode]["weights"][k], w, rtol=1e-5, atol=1e-7)
+
+
+def _cuda_entry(port: int, out_dir: str) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    try:
+        _cuda_worker(0, 1, out_dir)
+    finally:
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,164 @@
+"""Optimizer-state streaming (``COSMOS_OPTIM_STATE_OFFLOAD=1``) against stock AdamW: bit-exact, with planted bugs.
+
+Stock and lever run the recipe's real step (packed micro-batches, grad accumulation 2, clip 0.1 with
+``force_finite``, AdamW 0.9/0.95/1e-6) for 6 optimizer steps with a power EMA, from the same init:
+parameters, ``optimizer.state_dict()`` (keys, dtypes, values), the EMA and a saved-then-loaded checkpoint
+are ``torch.equal``. The stream groups are made tiny so that the tiny model streams in many groups.
+Planted bugs: the state streamed back through bf16, one stream group skipped -- each makes the check fail.
+On CUDA (run on the GPU): the same A/B with the fused kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosmos_framework_ext.ema import EMA, power_ema_beta, power_ema_gamma
+from cosmos_framework_ext.optim_offload import OptimStateOffload
+from patches.core.checkpoint import gather_full_state, load_full_state
+
+from . import tiny_recipe as R
+
+STEPS = 6
+GROUP_BYTES = 64 << 10  # tiny preset: ~10 stream groups
+
+
+def _run(lever: type[OptimStateOffload] | None, steps: int = STEPS, *, device: str = "cpu", fused: bool = False,
+         model_fn=None) -> dict:
+    """Train ``steps`` optimizer steps; returns params, optimizer state_dict, EMA and the checkpoint round trip."""
+    model, trainable = (model_fn or R.make_model)()
+    model.to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, betas=(0.9, 0.95),
+                            eps=1e-6, weight_decay=0.01, fused=fused or None)
+    off = lever(opt, group_bytes=GROUP_BYTES, pin=False) if lever is not None else None
+    ema = EMA(model, placement="device")
+    gamma = power_ema_gamma(0.1)
+    R.train(model, opt, 0, steps, after_step=lambda i: ema.step(power_ema_beta(i, gamma)))
+    return {"model": model, "opt": opt, "off": off, "ema": ema}
+
+
+def _checkpoint(run: dict, tmp_path, name: str) -> dict:
+    """The trainer's save path: full tensors of net and optimizer (by name), the EMA; written and read back."""
+    path = tmp_path / f"{name}.pt"
+    net, optim = gather_full_state(run["model"], run["opt"])
+    torch.save({"model": net, "optimizer": optim, "ema": run["ema"].full_state_dict()}, path)
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _equal_trees(a, b, where="") -> list[str]:
+    """Paths where two nested dict/list/tensor trees differ (keys, dtypes, values); empty when identical."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)):
+            return [f"{where}: tensor vs {type(b).__name__}"]
+        a, b = (x.full_tensor() if hasattr(x, "full_tensor") else x for x in (a, b))
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"]
+        return [] if torch.equal(a.cpu(), b.cpu()) else [f"{where}: values differ"]
+    if isinstance(a, dict):
+        if set(a) != set(b):
+            return [f"{where}: keys {sorted(map(str, set(a) ^ set(b)))[:4]}"]
+        return [d for k in a for d in _equal_trees(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _equal_trees(x, y, f"{where}[{i}]")]
+    return [] if a == b else [f"{where}: {a!r} vs {b!r}"]
+
+
+def _differences(stock: dict, lever: dict, tmp_path) -> list[str]:
+    out = _equal_trees(dict(stock["model"].named_parameters()), dict(lever["model"].named_parameters()), "params")
+    out += _equal_trees(stock["opt"].state_dict(), lever["opt"].state_dict(), "optimizer")
+    out += _equal_trees(stock["ema"].state_dict(), lever["ema"].state_dict(), "ema")
+    out += _equal_trees(_checkpoint(stock, tmp_path, "stock"), _checkpoint(lever, tmp_path, "lever"), "checkpoint")
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock():
+    return _run(None)
+
+
+def test_lever_equals_stock_bit_for_bit(stock, tmp_path):
+    lever = _run(OptimStateOffload)
+    off = lever["off"]
+    assert len(off.groups) >= 4 and off.stats["steps"] == STEPS
+    assert not _differences(stock, lever, tmp_path)
+    # between steps the moments are the arena's tensors (the host copy IS the state), same dtype as stock
+    arena = {t.data_ptr() for t in off.arena.tensors}
+    for p, st in lever["opt"].state.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert st[k].data_ptr() in arena and st[k].dtype == p.dtype
+    nbytes = sum(p.numel() * p.element_size() * 2 for p in lever["model"].parameters() if p.requires_grad)
+    assert off.arena.nbytes <= nbytes + 64 * 2 * len(off.arena.tensors)  # exact size (64-byte alignment only)
+    assert off.stats["d2h_bytes"] == STEPS * nbytes and off.stats["h2d_bytes"] == (STEPS - 1) * nbytes
+
+
+def test_resume_through_load_state_dict_continues_exactly(stock, tmp_path):
+    first = _run(OptimStateOffload, steps=3)
+    ckpt = _checkpoint(first, tmp_path, "first")
+    model, _ = R.make_model(seed=1)  # another init: everything must come from the checkpoint
+    opt = R.make_optimizer(model)
+    for g in opt.param_groups:
+        g["weight_decay"] = 0.01
+    off = OptimStateOffload(opt, group_bytes=GROUP_BYTES, pin=False)
+    load_full_state(model, ckpt["model"], opt, ckpt["optimizer"])  # the post-hook moves the moments to the arena
+    arena = {t.data_ptr() for t in off.arena.tensors}
+    assert all(st["exp_avg"].data_ptr() in arena for st in opt.state.values())
+    ema = EMA(model, placement="device")
+    ema.load_state_dict(ckpt["ema"])
+    gamma = power_ema_gamma(0.1)
+    R.train(model, opt, 3, STEPS, after_step=lambda i: ema.step(power_ema_beta(i, gamma)))
+    assert not _differences(stock, {"model": model, "opt": opt, "ema": ema}, tmp_path)
+
+
+def test_fsdp2_one_rank_dtensor_state_equals_stock(tmp_path):
+    """FSDP2 at world size 1 (as upstream HEAD wraps even one GPU): DTensor parameters and DTensor state."""
+    with R.one_rank():
+        a = _run(None, steps=3, model_fn=R.make_fsdp_model)
+        b = _run(OptimStateOffload, steps=3, model_fn=R.make_fsdp_model)
+        st = next(iter(b["opt"].state.values()))
+        assert hasattr(st["exp_avg"], "device_mesh")  # DTensor state, as stock
+        assert not _differences(a, b, tmp_path)
+
+
+# --------------------------------------------------------------------------------------- planted bugs
+class ThroughBf16(OptimStateOffload):
+    """Planted: the state streams back to the host through bf16."""
+
+    def _to_host(self, dst, src):
+        dst.copy_(src.to(torch.bfloat16))
+
+
+class SkipsOneGroup(OptimStateOffload):
+    """Planted: the last stream group never steps."""
+
+    def _chunks_to_run(self):
+        return super()._chunks_to_run()[:-1]
+
+
+@pytest.mark.parametrize("bug", [ThroughBf16, SkipsOneGroup], ids=["state-through-bf16", "one-group-skipped"])
+def test_planted_bug_is_detected(stock, tmp_path, bug):
+    assert _differences(stock, _run(bug), tmp_path)
+
+
+def test_refuses_an_optimizer_it_does_not_know():
+    from patches.core.errors import UserError
+
+    model, _ = R.make_model()
+    with pytest.raises(UserError, match="COSMOS_OPTIM_STATE_OFFLOAD"):
+        OptimStateOffload(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the fused AdamW kernel and the side streams")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-master", "bf16-master"])
+def test_cuda_fused_kernel_lever_equals_stock(tmp_path, dtype):
+    def model_fn():
+        m, t = R.make_model()
+        return m.to(dtype), t
+
+    a = _run(None, device="cuda", fused=True, model_fn=model_fn)
+    b = _run(OptimStateOffload, device="cuda", fused=True, model_fn=model_fn)
+    assert b["off"].pinned_bytes == b["off"].arena.nbytes > 0
+    assert all(st["exp_avg"].device.type == "cpu" for st in b["opt"].state.values())
+    assert not _differences(a, b, tmp_path)
+    assert _differences(a, _run(ThroughBf16, device="cuda", fused=True, model_fn=model_fn), tmp_path) or dtype == torch.bfloat16

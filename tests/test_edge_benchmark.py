@@ -1,0 +1,55 @@
+"""``benchmarks/edge_24gb.py`` runs end to end as a CPU smoke (tiny preset), and its model-FLOPs formula is the
+one its docstring derives (checked by hand on a small case)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("edge_24gb_bench", REPO / "benchmarks" / "edge_24gb.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_model_flops_by_hand(bench):
+    p = {"und": 10, "gen": 20, "und_train": 0, "gen_train": 20, "layers": 2, "d_attn": 4}
+    # text: forward only (2 * 10 per token); vision: fwd + activation grads + weight grads (6 * 20 per token)
+    linear = 3 * 2 * 10 + 5 * 6 * 20
+    # text queries causal (3 * 4 / 2 pairs), vision queries see all 3 + 5 keys; fwd 4 d per pair, bwd 8 d
+    attn = 2 * 4 * (4 * 3 * 4 / 2 + 12 * 5 * 8)
+    assert bench.model_flops([(3, 5)], p) == linear + attn
+    frozen = dict(p, gen_train=0)  # nothing trainable: forward only
+    assert bench.model_flops([(3, 5)], frozen) == 3 * 2 * 10 + 5 * 2 * 20 + 2 * 4 * (4 * 3 * 4 / 2 + 4 * 5 * 8)
+
+
+def test_edge_pathways_split_the_tower(bench):
+    p = bench.pathway_params("tiny", ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"])
+    assert p["und_train"] == 0 and p["gen_train"] == p["gen"] > 0 and p["und"] > 0
+
+
+def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, sample_dataset):
+    monkeypatch.setenv("DATASET_PATH", str(sample_dataset))
+    for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    only = "stock (uncapped card),+ latent cache"
+    assert bench.main(["--smoke", "--steps", "2", "--grad-accum", "1", "--only", only, "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "edge_24gb.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    stock, cached = rows
+    assert stock["prepass"] is None and cached["prepass"]["misses"] == cached["prepass"]["entries"] > 0
+    assert cached["prepass_s"] > 0 and all(r["s_per_sample"] > 0 and r["model_tflop_per_s"] > 0 for r in rows)
+    md = (tmp_path / "edge_24gb.md").read_text()
+    assert "| + latent cache | ok |" in md and "s/sample" in md and "MFU" in md
+    assert bench.main(["--smoke", "--grad-accum", "1", "--only", "nonesuch", "--out", str(tmp_path)]) == 2
+    assert bench.main(["--grad-accum", "4", "--smoke", "--steps", "1", "--out", str(tmp_path)]) == 2

@@ -1,0 +1,86 @@
+"""``benchmarks/h3_1gpu.py --smoke``: every mode (resident, offload, partial) runs on the CPU (tiny preset, gloo) in
+its own child process and reports what the GPU run reports; bad arguments are one error line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "h3_1gpu.py"
+
+
+def test_smoke_runs_every_mode_and_reports(tmp_path):
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--lora-rank", "4", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads((tmp_path / "h3_1gpu.json").read_text())
+    assert [r["mode"] for r in results] == ["resident", "offload", "partial"]
+    keys = {"s_per_step", "gpu_peak_gib", "host_peak_gib", "pinned_requested_bytes", "pinned_locked_bytes", "init_s",
+            "resident_blocks", "optimizer_device", "host_peak_init_gib", "host_steady_gib", "init_build_s",
+            "init_materialise_s", "init_rest_s"}
+    for r in results:
+        assert r["ok"] and keys <= r.keys() and r["s_per_step"] > 0 and r["host_peak_gib"] > 0
+        # the trainer's low-RAM init: every base parameter was on the meta device until materialise wrote it
+        assert r["init_path"] == "fast_init.build_lora_fsdp" and r["base_init"].startswith("random init (seed 0")
+        assert r["meta_params_before_sharding"] == r["base_tensors"] > 0
+        assert abs(r["init_build_s"] + r["init_rest_s"] - r["init_s"]) < 1e-6
+        assert abs(r["init_meta_shard_s"] + r["init_materialise_s"] - r["init_build_s"]) < 1e-6
+        assert 0 < r["host_peak_init_gib"] <= r["host_peak_gib"]
+    by = {r["mode"]: r for r in results}
+    assert by["resident"]["pinned_requested_bytes"] == 0 and by["offload"]["pinned_requested_bytes"] > 0
+    assert 0 < by["partial"]["pinned_requested_bytes"] < by["offload"]["pinned_requested_bytes"]
+    assert by["partial"]["resident_blocks"] == 1
+    assert "| 9x16x16 | partial | 1 |" in (tmp_path / "h3_1gpu.md").read_text()
+
+
+def test_bad_arguments_are_one_error_line():
+    for args in (["--modes", "resident,fast"], ["--clips", "81x480"]):
+        out = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and out.stderr.startswith("error:"), out.stderr
+
+
+def _bench(*args, timeout=60):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def test_print_commands_one_configuration_each_under_the_command_limit_and_in_the_docstring():
+    out = _bench("--print-commands", "--gpu-budget-gib", "40", "--probe-largest")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    runs = [x for x in lines if "--modes" in x]
+    assert len(runs) == 4 + 2 * 3 and lines[-1] == "python benchmarks/h3_1gpu.py --merge benchmarks/results/h3_1gpu_runs"
+    outs = set()
+    for cmd in runs:
+        args = cmd.split("; ", 1)[1].split()
+        modes, clips = args[args.index("--modes") + 1], args[args.index("--clips") + 1]
+        assert "," not in modes and "," not in clips
+        assert float(args[args.index("--timeout-s") + 1]) <= 540
+        assert ("--gpu-budget-gib" in args) == (modes == "partial")
+        outs.add(args[args.index("--out") + 1])
+    assert len(outs) == len(runs)  # one result folder per command
+    doc = SCRIPT.read_text()
+    for cmd in _bench("--print-commands", "--gpu-budget-gib", "40").stdout.splitlines():
+        assert "    " + cmd + "\n" in doc, cmd  # the docstring lists exactly what --print-commands prints
+    bad = _bench("--print-commands", "--smoke")
+    assert bad.returncode == 2 and bad.stderr.startswith("error:")
+
+
+def test_merge_combines_per_command_results(tmp_path):
+    row = {"ok": False, "error": "timed out after 540 s"}
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b" / "h3_1gpu.json").write_text(json.dumps([dict(row, mode="resident", clip="81x480x832")]))
+    (tmp_path / "a" / "h3_1gpu.json").write_text(json.dumps([dict(row, mode="offload", clip="17x320x192"),
+                                                            dict(row, mode="resident", clip="17x320x192")]))
+    out = _bench("--merge", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    merged = json.loads((tmp_path / "h3_1gpu.json").read_text())
+    assert [(r["clip"], r["mode"]) for r in merged] == [("17x320x192", "resident"), ("17x320x192", "offload"),
+                                                        ("81x480x832", "resident")]
+    assert (tmp_path / "h3_1gpu.md").read_text().count("timed out") == 3
+    empty = _bench("--merge", str(tmp_path / "a" / "nothing"))
+    assert empty.returncode == 2 and empty.stderr.startswith("error:")
