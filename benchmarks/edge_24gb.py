@@ -50,7 +50,7 @@ are 2 x 2·d FLOPs per (query, key) pair forward, their backward twice that. For
 recipe this is ``2 N_und T_und + 6 N_gen T_gen + attention``. Utilisation = model FLOPs / measured micro-batch
 seconds / peak; the optimizer step (once per ``grad_accum_iter`` micro-batches) is outside the micro-batch
 time. **Peak:** ``--peak-tflops``, default for an H100/H200 989 TFLOP/s dense BF16 (NVIDIA's H100/H200 SXM
-datasheet: 1,979 TFLOP/s with 2:4 sparsity, half that dense; ``/work/shared/limits.md`` of this project gives
+datasheet: 1,979 TFLOP/s with 2:4 sparsity, half that dense; the project's measured GPU limits give
 only a measured 750-776 TFLOP/s for a bf16 GEMM 8192^3, reported beside it as the achievable ceiling).
 
 Random weights: the timings and memory are those of the real architecture, the losses mean nothing.
@@ -87,7 +87,7 @@ ATTENTION_FLEX = "flex"
 H100_H200_DENSE_BF16_TFLOPS = 989.0
 """NVIDIA H100/H200 SXM datasheet, dense BF16 (1,979 with 2:4 sparsity)."""
 MEASURED_GEMM_TFLOPS = 776.0
-"""/work/shared/limits.md: bf16 GEMM 8192^3 on the project's H200, 750-776 TFLOP/s (the achievable ceiling)."""
+"""The project's measured limits: bf16 GEMM 8192^3 on its H200, 750-776 TFLOP/s (the achievable ceiling)."""
 
 
 @dataclasses.dataclass(frozen=True)
