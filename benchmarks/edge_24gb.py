@@ -27,7 +27,10 @@ s per sample (measured micro-batch time / samples), peak allocated and reserved 
 model FLOPs utilisation, the latent cache's pre-pass (s, hits, misses, bytes; **not** part of any step time),
 the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS and pinned bytes, and the
 change of s/sample against configuration 1. A configuration that runs out of memory is reported as such
-with the peak it reached. Writes ``edge_24gb.json`` and ``edge_24gb.md`` into ``--out``.
+with the peak it reached. Writes ``edge_24gb.json`` and ``edge_24gb.md`` (and the ``--timelines``) into
+``--out`` once every row has run, atomically (both or neither). Bad arguments (an unknown or empty ``--only``,
+a count or GiB/TFLOP/s value out of range, an ``--out`` that is a file) are one ``error:`` line, exit status 2,
+before the GPU check and any run (``benchmarks/checks.py``).
 
 **Model FLOPs** (:func:`model_flops`; recompute from activation checkpointing is *not* counted, so this is
 model, not hardware, FLOPs utilisation). ``6 x N_trainable x tokens`` is wrong for this partially frozen,
@@ -64,6 +67,7 @@ import gc
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -74,8 +78,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.checks import at_least, pick, positive, writable_dir, write_together  # noqa: E402
 from cosmos_framework_ext import packing, train  # noqa: E402
 from patches.core import trainer as skeleton  # noqa: E402
+from patches.core.errors import UserError, cli  # noqa: E402
+from patches.core.io import atomic_write  # noqa: E402
 from patches.core.runtime import GiB  # noqa: E402
 
 EMA, VAE, CACHE = "COSMOS_EMA_CPU_SUBSET", "COSMOS_VAE_CPU_OFFLOAD", "COSMOS_LATENT_CACHE"
@@ -301,12 +308,13 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
     return row
 
 
-def keep_timeline(name: str, tmp: Path, dest: Path) -> None:
-    """Copy the run's memory.csv / memory.png to ``dest/<config>.memory.{csv,png}``."""
-    import shutil
-
+def keep_timeline(name: str, tmp: Path, dest: Path) -> list[Path]:
+    """Copy the run's memory.csv / memory.png to ``dest/<config>.memory.{csv,png}`` (each atomically); returns the
+    copies."""
+    copies = []
     for f in (tmp / "out" / slug(name)).rglob("memory.*"):
-        shutil.copyfile(f, dest / f"{slug(name)}.{f.name}")
+        copies.append(atomic_write(dest / f"{slug(name)}.{f.name}", lambda p, f=f: shutil.copyfile(f, p)))
+    return copies
 
 
 def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: str) -> str:
@@ -343,15 +351,21 @@ def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: s
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); bad input: one ``error:`` line, exit 2, nothing written."""
+    return cli(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-gib", type=float, default=22.06, help="card cap of the capped rows (GiB)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (>= 2: 1 warm-up)")
     ap.add_argument("--grad-accum", type=int, default=8, help="grad_accum_iter (>= 8 on the GPU; default 8)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument("--only", default="", help="comma-separated config names to run (default: the five main ones)")
+    ap.add_argument("--only", default=None, help="comma-separated config names to run (default: the five main ones)")
     ap.add_argument("--list", action="store_true", help="list the configuration names and exit")
     ap.add_argument("--timelines", default="all levers",
-                    help="comma-separated config names whose memory timeline (CSV + PNG) to keep in --out")
+                    help="comma-separated config names whose memory timeline (CSV + PNG) to keep in --out "
+                    "(\"\": none)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the card's dense bf16 peak in TFLOP/s (default: 989 on an H100/H200)")
     ap.add_argument("--smoke", action="store_true",
@@ -361,21 +375,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("\n".join(c.name for c in every))
         return 0
+    # every check before the GPU check, the model build and any write under --out
+    names = [c.name for c in every]
+    only = pick("--only", args.only, names) if args.only is not None else []
+    timelines = pick("--timelines", args.timelines, names, allow_none=True)
+    at_least("--steps", args.steps, 2, "1 warm-up + measured")
+    at_least("--grad-accum", args.grad_accum, 1 if args.smoke else 8,
+             "micro-batches per optimizer step" if args.smoke else "the GPU run; any >= 1 with --smoke")
+    positive("--budget-gib", args.budget_gib, "GiB")
+    positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
+    writable_dir("--out", args.out)
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
-        print("error: this benchmark needs a CUDA GPU (or --smoke for the CPU smoke with the tiny preset)", file=sys.stderr)
-        return 2
-    if args.steps < 2:
-        print("error: --steps must be >= 2 (1 warm-up + measured)", file=sys.stderr)
-        return 2
-    if args.grad_accum < (1 if args.smoke else 8):
-        print("error: --grad-accum must be >= 8 (>= 1 with --smoke)", file=sys.stderr)
-        return 2
-    only = [x.strip() for x in args.only.split(",") if x.strip()]
-    unknown = [x for x in only if x not in {c.name for c in every}]
-    if unknown:
-        print(f"error: unknown configuration(s) {unknown}; --list names them", file=sys.stderr)
-        return 2
+        raise UserError("this benchmark needs a CUDA GPU (or --smoke for the CPU smoke with the tiny preset)")
     chosen = [c for c in every if c.name in only] if only else CONFIGS
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.cuda.get_device_name() if cuda else "cpu"
@@ -388,20 +400,19 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ONECARD_LATENT_CACHE"] = str(tmp / "latents")  # cold for the first cache row, warm after
         for cfg in chosen:
             rows.append(run_one(cfg, args, tmp, flops_p, peak))
-            if args.timelines and cfg.name in args.timelines.split(","):
-                args.out.mkdir(parents=True, exist_ok=True)
-                keep_timeline(cfg.name, tmp, args.out)
+            if cfg.name in timelines:  # kept in tmp until every row has run: --out gets all or nothing
+                keep_timeline(cfg.name, tmp, tmp / "timelines")
             print(json.dumps(rows[-1]), flush=True)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": device, "torch": torch.__version__, "grad_accum_iter": args.grad_accum, "steps": args.steps,
-            "peak_tflops": None if peak is None else peak / 1e12, "peak_source": peak_note,
-            "pathway_params": flops_p, "rows": rows}
-    (args.out / "edge_24gb.json").write_text(json.dumps(meta, indent=2) + "\n")
-    md = markdown(rows, device, args.budget_gib, args.grad_accum, peak_note)
-    (args.out / "edge_24gb.md").write_text(md)
+        meta = {"device": device, "torch": torch.__version__, "grad_accum_iter": args.grad_accum,
+                "steps": args.steps, "peak_tflops": None if peak is None else peak / 1e12, "peak_source": peak_note,
+                "pathway_params": flops_p, "rows": rows}
+        md = markdown(rows, device, args.budget_gib, args.grad_accum, peak_note)
+        write_together({args.out / "edge_24gb.json": json.dumps(meta, indent=2) + "\n", args.out / "edge_24gb.md": md})
+        for f in sorted((tmp / "timelines").glob("*")):
+            atomic_write(args.out / f.name, lambda p, f=f: shutil.copyfile(f, p))
     print(md)
     return 0
 

@@ -2,6 +2,7 @@
 
     python benchmarks/edge_exact.py [--grad-accum 8] [--steps 4] [--out benchmarks/results]   # on a GPU
     python benchmarks/edge_exact.py --smoke                                                     # CPU, tiny preset
+    python benchmarks/edge_exact.py --only head-reference,head-levers ...   # a subset (keys: KEYS below)
 
 The ``edge`` preset at cap 12288, EMA on (``benchmarks/edge_24gb.toml``, with ``[model.parallelism]``
 ``fsdp_master_dtype`` set per configuration and ``grad_accum_iter`` from ``--grad-accum``), one configuration
@@ -19,7 +20,8 @@ Each row: status, peak allocated / reserved GiB, the ledger's prediction, median
 micro-batch after the warm-up step, the step-time ratio to its reference (target: within 5 % at the recipe's
 grad_accum_iter 61; the levers add a fixed cost per optimizer step -- the state's PCIe round trip, hidden partly
 by the overlap -- so the ratio shrinks as grad_accum_iter grows), host RSS and pinned GiB, and the optimizer
-lever's bytes moved. Writes ``edge_exact.json`` and ``edge_exact.md`` into ``--out``.
+lever's bytes moved. Writes ``edge_exact.json`` and ``edge_exact.md`` into ``--out`` (atomically, both or
+neither). Bad arguments are one ``error:`` line, exit status 2, before the GPU check and any run.
 
 ``--smoke``: the same four configurations on the CPU with the tiny preset (the TOML's ``cpu_*`` values), no cap:
 it checks the code path, not memory or time. Random weights: the losses mean nothing.
@@ -41,7 +43,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.checks import at_least, pick, positive, writable_dir, write_together  # noqa: E402
 from cosmos_framework_ext import train  # noqa: E402
+from patches.core.errors import UserError, cli  # noqa: E402
 from patches.core.runtime import GiB  # noqa: E402
 
 EMA, VAE, OPT, FRZ = "COSMOS_EMA_CPU_SUBSET", "COSMOS_VAE_CPU_OFFLOAD", "COSMOS_OPTIM_STATE_OFFLOAD", "COSMOS_FROZEN_BF16"
@@ -54,6 +58,9 @@ CONFIGS = [
     ("seed dtypes, reference", "bfloat16", BASE, None, None, None),
     ("seed dtypes, all levers", "bfloat16", ALL, "seed", "seed dtypes, reference", 14.0),
 ]
+KEYS = {"head-reference": CONFIGS[0][0], "head-levers": CONFIGS[1][0], "seed-reference": CONFIGS[2][0],
+        "seed-levers": CONFIGS[3][0]}
+"""``--only``'s names for the configurations (their row names hold commas, the list separator)."""
 
 
 def write_toml(dst: Path, master: str, grad_accum: int, steps: int) -> Path:
@@ -104,8 +111,12 @@ def markdown(rows: list[dict], device: str, args) -> str:
     def f(v, fmt):
         return "–" if v is None else format(v, fmt)
 
-    head = (f"{time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}; edge preset, cap 12288, "
-            f"grad_accum_iter {args.grad_accum}, EMA on (CPU subset), VAE parked; {args.steps} steps, first is warm-up.\n\n"
+    ran = next((r for r in rows if r.get("status") == "ok"), {})
+    ga, steps = ran.get("grad_accum_iter", args.grad_accum), ran.get("steps", args.steps)
+    what = ("CPU smoke: tiny preset with the TOML's [onecard] cpu_* values; the CPU computes in fp32 whatever the "
+            "master dtype, so the dtype columns only say what was asked" if args.smoke else "edge preset, cap 12288")
+    head = (f"{time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}; {what}, "
+            f"grad_accum_iter {ga}, EMA on (CPU subset), VAE parked; {steps} steps, first is warm-up.\n\n"
             "| config | master | cap GiB | status | peak alloc GiB | target | peak reserved GiB | ledger GiB | s/step | "
             "vs reference | s/micro-batch | host RSS GiB | pinned GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
@@ -120,26 +131,34 @@ def markdown(rows: list[dict], device: str, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); bad input: one ``error:`` line, exit 2, nothing written."""
+    return cli(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--grad-accum", type=int, default=8, help="micro-batches per optimizer step (recipe: 61)")
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per configuration (>= 2: 1 warm-up)")
     ap.add_argument("--head-cap-gib", type=float, default=22.06, help="card cap for HEAD dtypes, all levers")
     ap.add_argument("--seed-cap-gib", type=float, default=15.0, help="card cap for seed dtypes, all levers")
-    ap.add_argument("--only", default="", help="comma-separated config names to run (default: all)")
+    ap.add_argument("--only", default=None, help=f"comma-separated configurations to run, of {', '.join(KEYS)} "
+                    "(default: all four, in that order)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset: the code path only (also without a GPU)")
     args = ap.parse_args(argv)
+    # every check before the GPU check, the runs and any write under --out
+    only = {KEYS[k] for k in pick("--only", args.only, KEYS)} if args.only is not None else set()
+    at_least("--steps", args.steps, 2, "1 warm-up + 1 measured")
+    at_least("--grad-accum", args.grad_accum, 1, "micro-batches per optimizer step")
+    positive("--head-cap-gib", args.head_cap_gib, "GiB")
+    positive("--seed-cap-gib", args.seed_cap_gib, "GiB")
+    writable_dir("--out", args.out)
     if not args.smoke and not torch.cuda.is_available():
-        print("error: this benchmark needs a CUDA GPU; pass --smoke for the CPU code-path check", file=sys.stderr)
-        return 2
-    if args.steps < 2 or args.grad_accum < 1:
-        print("error: --steps must be >= 2 (1 warm-up + 1 measured) and --grad-accum >= 1", file=sys.stderr)
-        return 2
+        raise UserError("this benchmark needs a CUDA GPU; pass --smoke for the CPU code-path check")
     if args.smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the tiny preset on the CPU even on a GPU machine
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     caps = {"head": args.head_cap_gib, "seed": args.seed_cap_gib}
-    only = {x.strip() for x in args.only.split(",") if x.strip()}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, master, flags, cap, ref, target in CONFIGS:
@@ -156,11 +175,10 @@ def main(argv: list[str] | None = None) -> int:
             if torch.cuda.is_available() and not args.smoke:
                 torch.cuda.empty_cache()
     device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "edge_exact_smoke" if args.smoke else "edge_exact"
-    (args.out / f"{stem}.json").write_text(json.dumps({"device": device, "rows": rows}, indent=2) + "\n")
     md = markdown(rows, device, args)
-    (args.out / f"{stem}.md").write_text(md)
+    write_together({args.out / f"{stem}.json": json.dumps({"device": device, "rows": rows}, indent=2) + "\n",
+                    args.out / f"{stem}.md": md})
     print(md)
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

@@ -34,7 +34,8 @@ synthetic data, ``.to(device)``, optimizer); ``import_s`` (imports, outside ``in
 ``base_init``, ``meta_params_before_sharding`` (= ``base_tensors``: no base weight had storage before it got its
 final one); ``resident_blocks``, ``residency_plan``, ``optimizer_device``. ``--probe-largest`` adds the largest
 480x832 clip (121, 161, 201, 241 frames tried in order) whose resident run completes. Writes ``h3_1gpu.json`` and a
-markdown table ``h3_1gpu.md`` into ``--out``; random weights: timings and memory are the real architecture's,
+markdown table ``h3_1gpu.md`` into ``--out`` (atomically, both or neither; bad arguments, an empty selection or no
+GPU without ``--smoke`` are one ``error:`` line and exit status 2 before any run); random weights: timings and memory are the real architecture's,
 losses mean nothing.
 
 GPU commands, each within a 10-minute command (``--print-commands`` prints them for the chosen ``--modes`` /
@@ -70,6 +71,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks.checks import at_least, pick, positive, writable_dir, write_together  # noqa: E402
+from patches.core.errors import UserError, cli  # noqa: E402
+from patches.core.flags import is_whole_number  # noqa: E402
+
 MODES = ("resident", "offload", "partial")
 DEFAULT_CLIPS = "17x320x192,81x480x832"
 PROBE_FRAMES = (121, 161, 201, 241)
@@ -78,7 +83,7 @@ PROBE_FRAMES = (121, 161, 201, 241)
 def parse_clip(text: str) -> tuple[int, int, int]:
     """``"FxHxW"`` -> (frames, height, width); ``ValueError`` otherwise."""
     parts = text.lower().split("x")
-    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 3 or not all(is_whole_number(p) and int(p) > 0 for p in parts):
         raise ValueError(f"clip {text!r}: use FRAMESxHEIGHTxWIDTH, e.g. 81x480x832")
     return int(parts[0]), int(parts[1]), int(parts[2])
 
@@ -264,19 +269,37 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
 
 def merge(folder: Path) -> list[dict]:
     """Every ``<folder>/*/h3_1gpu.json`` (the printed commands' results), clip by clip in :data:`MODES` order, written
-    to ``<folder>/h3_1gpu.json`` and ``<folder>/h3_1gpu.md``; ``UserError``-style ``ValueError`` when none is found."""
+    to ``<folder>/h3_1gpu.json`` and ``<folder>/h3_1gpu.md`` (together, atomically: both or neither).
+
+    Raises:
+        UserError: no ``*/h3_1gpu.json`` under ``folder``, or one that is not a list of result rows (each with a
+            ``mode`` and a ``FxHxW`` ``clip``); nothing is written then.
+    """
     results = []
     for f in sorted(folder.glob("*/h3_1gpu.json")):
-        results += json.loads(f.read_text())
+        try:
+            rows = json.loads(f.read_text())
+            if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+                raise ValueError("not a list of result rows")
+            for r in rows:
+                parse_clip(str(r["clip"])), r["mode"]
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"--merge {folder}: {f} is not a results file of this benchmark ({e}); "
+                            "remove it or run its command again") from None
+        results += rows
     if not results:
-        raise ValueError(f"--merge {folder}: no */h3_1gpu.json under it: run the printed commands first")
+        raise UserError(f"--merge {folder}: no */h3_1gpu.json under it: run the printed commands first")
     results.sort(key=lambda r: (parse_clip(r["clip"]), MODES.index(r["mode"]) if r["mode"] in MODES else 9))
-    (folder / "h3_1gpu.json").write_text(json.dumps(results, indent=2))
-    (folder / "h3_1gpu.md").write_text(table(results))
+    write_together({folder / "h3_1gpu.json": json.dumps(results, indent=2), folder / "h3_1gpu.md": table(results)})
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); bad input: one ``error:`` line, exit 2, nothing written."""
+    return cli(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="python benchmarks/h3_1gpu.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default=",".join(MODES), help="comma list of resident, offload, partial")
     ap.add_argument("--clips", default=DEFAULT_CLIPS, help="comma list of FRAMESxHEIGHTxWIDTH")
@@ -299,31 +322,38 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(run_one(a.one[0], a.one[1], a)), flush=True)
         return 0
     if a.merge:
-        try:
-            results = merge(Path(a.merge))
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        results = merge(Path(a.merge))
         print(table(results))
         return 0
-    modes = [m for m in a.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        print(f"error: --modes {','.join(bad)}: use {', '.join(MODES)}", file=sys.stderr)
-        return 2
-    clips = ["9x16x16"] if a.smoke else [c for c in a.clips.split(",") if c]
-    try:
-        for c in clips:
+    # every check before any run (and before anything under --out is touched)
+    modes = pick("--modes", a.modes, MODES)
+    given = [c.strip() for c in a.clips.split(",") if c.strip()]
+    if not given:
+        raise UserError(f"--clips {a.clips!r} selects nothing; name at least one FRAMESxHEIGHTxWIDTH, e.g. 81x480x832")
+    for c in given:
+        try:
             parse_clip(c)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        except ValueError as e:
+            raise UserError(f"--clips: {e}") from None
+    clips = ["9x16x16"] if a.smoke else list(dict.fromkeys(given))
+    at_least("--steps", a.steps, 1, "timed optimizer steps after the warm-up step")
+    at_least("--micro-batches", a.micro_batches, 1, "micro-batches per optimizer step")
+    at_least("--lora-rank", a.lora_rank, 1, "the LoRA rank")
+    positive("--timeout-s", a.timeout_s, "seconds per configuration")
+    positive("--gpu-budget-gib", a.gpu_budget_gib, "GiB")
+    if not (a.resident_blocks.strip().lower() == "auto" or is_whole_number(a.resident_blocks.strip())):
+        raise UserError(f"--resident-blocks {a.resident_blocks!r}: use auto or a whole number of blocks (0 = stream all)")
     if a.print_commands:
         if a.smoke:
-            print("error: --print-commands lists the GPU runs; --smoke runs on the CPU: drop one of them", file=sys.stderr)
-            return 2
+            raise UserError("--print-commands lists the GPU runs; --smoke runs on the CPU: drop one of them")
         print("\n".join(gpu_commands(modes, clips, a.probe_largest, a, a.out or RUNS_DIR)))
         return 0
+    out = writable_dir("--out", a.out or HERE / "results")
+    if not a.smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UserError("the 33 B model needs a CUDA GPU; pass --smoke for the CPU smoke with the tiny preset")
     passthrough = [f"--resident-blocks={a.resident_blocks}", f"--steps={a.steps}",
                    f"--micro-batches={a.micro_batches}", f"--lora-rank={a.lora_rank}"]
     if a.gpu_budget_gib:
@@ -347,10 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             r = child(m, c, passthrough, a.timeout_s)
             print(json.dumps(r), flush=True)
             results.append(r)
-    out = Path(a.out or HERE / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "h3_1gpu.json").write_text(json.dumps(results, indent=2))
-    (out / "h3_1gpu.md").write_text(table(results))
+    write_together({out / "h3_1gpu.json": json.dumps(results, indent=2), out / "h3_1gpu.md": table(results)})
     print(table(results))
     return 0 if all(r.get("ok") for r in results) else 1
 

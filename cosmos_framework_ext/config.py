@@ -393,9 +393,12 @@ def load(path: str | Path) -> SFTConfig:
     """Read and validate an SFT TOML.
 
     Raises:
-        ConfigError: the file is missing or not valid TOML, or fails :func:`from_dict`.
+        ConfigError: the file is missing, a directory, or not valid TOML, or fails :func:`from_dict`.
     """
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"SFT TOML {p} is a directory, not a file: pass a recipe .toml file (see toml/ for the "
+                          "recipes)")
     if not p.is_file():
         raise ConfigError(f"SFT TOML {p} does not exist: pass an existing file (see toml/ for the recipes)")
     try:

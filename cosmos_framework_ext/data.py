@@ -179,8 +179,8 @@ def _parse_row(obj: Any, index: int, line: int, jsonl: Path, train_dir: Path,
     video_path = (train_dir / video).resolve()
     if not video_path.is_file():
         raise DatasetError(
-            f"{where}: media file {video_path} does not exist; fix the 'video' path (relative to "
-            f"{train_dir}) or add the file"
+            f"{where}: media file {video_path} {'is a directory, not a file' if video_path.is_dir() else 'does not exist'}; "
+            f"fix the 'video' path (relative to {train_dir}) or add the file"
         )
     if video_path not in frame_counts:
         frame_counts[video_path] = probe_video(video_path)[3]

@@ -32,8 +32,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from patches.core.errors import UserError
 from patches.core.host_arena import HostArena
 from patches.core.runtime import shard_of, to_local
+
+
+def check_with_ema(acts: bool, ema_enabled: bool, ema_cpu_subset: bool) -> None:
+    """Refuse the lever with the stock device EMA; the trainer and the ledger (``python -m patches.ledger``, the
+    launcher's ``DRYRUN=1``) both call this, so both give the same one line.
+
+    Args:
+        acts: ``COSMOS_FROZEN_BF16=1`` and the parameters are stored in another dtype than they compute in (fp32
+            master, bf16 compute: the only case the lever changes anything).
+        ema_enabled: ``[model.ema].enabled``.
+        ema_cpu_subset: ``COSMOS_EMA_CPU_SUBSET=1``.
+
+    Raises:
+        UserError: ``acts`` with the EMA on and not the CPU-subset EMA.
+    """
+    if acts and ema_enabled and not ema_cpu_subset:
+        raise UserError("COSMOS_FROZEN_BF16=1 needs COSMOS_EMA_CPU_SUBSET=1 when [model.ema].enabled: the stock "
+                        "device EMA clones every parameter and would average the bf16 copies of frozen ones; "
+                        "set COSMOS_EMA_CPU_SUBSET=1 or unset COSMOS_FROZEN_BF16")
 
 
 class FrozenBF16:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -57,7 +58,7 @@ import torch
 from torch import nn
 
 from patches.core.errors import UserError
-from patches.core.flags import latent_cache_dir
+from patches.core.flags import LATENT_CACHE_DIR, latent_cache_dir
 from patches.core.io import atomic_write
 
 from .vae_offload import encode_latents
@@ -71,6 +72,7 @@ __all__ = [
     "LatentCache",
     "LatentCacheError",
     "PrepassReport",
+    "check_folder",
     "file_sha256",
     "items_for",
     "main",
@@ -232,19 +234,19 @@ def items_for(records: Sequence[Any], preset: Any) -> list[CacheItem]:
 # ---------------------------------------------------------------------------------------------- report
 @dataclasses.dataclass
 class PrepassReport:
-    """What a pre-pass did (this rank's share of the misses; hits are counted over every item)."""
+    """What a pre-pass did: over this rank's share of the items from :meth:`LatentCache.prepass`, over every
+    rank's after :func:`run_prepass` (summed once all ranks are done)."""
 
     entries: int
     """Distinct (clip, window, size) items."""
     hits: int
     """Items whose entry was there and verified."""
     misses: int
-    """Items encoded by this rank because their entry was missing."""
+    """Items encoded because their entry was missing."""
     corrupt: int
-    """Items whose entry was there but corrupt, re-encoded by this rank (each also warned about)."""
+    """Items whose entry was there but corrupt, re-encoded (each also warned about)."""
     bytes_on_disk: int
-    """Bytes of this item set's entry files after the pre-pass (entries other ranks were still writing
-    are not counted)."""
+    """Bytes of this item set's entry files after the pre-pass."""
     seconds: float
     """Wall time of the pre-pass, s (verify + decode + encode + write)."""
     encode_seconds: float
@@ -359,14 +361,30 @@ class LatentCache:
         return latent
 
     def store(self, item: CacheItem, latent: torch.Tensor, key: EntryKey | None = None) -> Path:
-        """Write ``latent`` (as the online encode returned it) as ``item``'s entry, atomically; returns the path."""
+        """Write ``latent`` (as the online encode returned it) as ``item``'s entry, atomically; returns the path.
+
+        Raises:
+            LatentCacheError: the entry cannot be written (disk full, a read-only shard folder, a directory where
+                the entry file belongs, a file where its shard folder belongs): one line naming the cache folder,
+                the path and the fix; the temporary file is removed.
+        """
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         key = key or self.key(item)
         tensor = latent.detach().to("cpu").contiguous()
         meta = {"key": key.parts, "sha256": hashlib.sha256(_tensor_bytes(tensor)).hexdigest(),
                 "format": FORMAT, "vae": json.dumps(self.fingerprint, sort_keys=True)}
-        return atomic_write(self.path(key), lambda p: save_file({TENSOR: tensor}, str(p), metadata=meta))
+        path = self.path(key)
+        new_shard = not os.path.lexists(path.parent)
+        try:
+            return atomic_write(path, lambda p: save_file({TENSOR: tensor}, str(p), metadata=meta))
+        except (OSError, SafetensorError) as e:
+            if new_shard:  # leave the folder as it was: no empty shard folder from a failed write
+                with contextlib.suppress(OSError):
+                    path.parent.rmdir()
+            raise LatentCacheError(f"latent cache folder {self.root} cannot be written: {_write_problem(e, path)}; "
+                                   f"or set {LATENT_CACHE_DIR} to another folder") from None
 
     def encode(self, item: CacheItem) -> torch.Tensor:
         """Decode ``item``'s window and encode it exactly as the trainer's online path does (CPU copy).
@@ -402,15 +420,16 @@ class LatentCache:
     # ------------------------------------------------------------ the pre-pass
     def prepass(self, items: Iterable[CacheItem], *, rank: int = 0, world_size: int = 1, progress: bool = True,
                 workers: int = 2) -> PrepassReport:
-        """Verify every item's entry and encode the missing or corrupt ones (this rank's share: every
-        ``world_size``-th, starting at ``rank``), decoding on ``workers`` threads ahead of the encode.
+        """Verify and, where missing or corrupt, encode this rank's share of the items (every ``world_size``-th
+        item, starting at ``rank``: fixed by position, so the shares of ranks that check at the same time never
+        depend on what another rank has written yet), decoding on ``workers`` threads ahead of the encode.
 
         Shows a tqdm bar (with ETA) on stderr when ``progress``; logs one warning per corrupt entry.
 
         Raises:
             RuntimeError: an entry must be encoded but this cache has no VAE.
             DatasetError: a window does not decode.
-            OSError: the folder cannot be written.
+            LatentCacheError: an entry cannot be written (:meth:`store`).
         """
         from tqdm import tqdm
 
@@ -419,7 +438,9 @@ class LatentCache:
         keys = [self.key(it) for it in items]
         todo: list[tuple[CacheItem, EntryKey, bool]] = []  # (item, key, its entry was corrupt)
         hits = 0
-        for it, k in zip(items, keys):
+        for i, (it, k) in enumerate(zip(items, keys)):
+            if i % world_size != rank:
+                continue
             try:
                 self.load(it, k)
                 hits += 1
@@ -429,8 +450,8 @@ class LatentCache:
             except CorruptEntry as e:
                 log.warning("latent cache: %s; re-encoding it", e)
                 todo.append((it, k, True))
-        mine = [(it, k) for it, k, _ in todo[rank::world_size]]
-        corrupt_mine = sum(bad for _, _, bad in todo[rank::world_size])
+        mine = [(it, k) for it, k, _ in todo]
+        corrupt_mine = sum(bad for _, _, bad in todo)
         enc_s = 0.0
         if mine:
             if self.vae is None:
@@ -456,6 +477,23 @@ class LatentCache:
                              root=str(self.root))
 
 
+def check_folder(root: str | Path) -> Path:
+    """That the cache folder ``root`` is (or can be created as) a writable folder; creates nothing (the trainer's
+    preflight and the CLI call it before building anything).
+
+    Raises:
+        UserError: ``root`` is a regular file (:class:`LatentCacheError`, "is a file, not a folder"), lies under a
+            file, or its nearest existing folder is not writable (:func:`patches.core.preflight.check_writable`).
+    """
+    from patches.core.preflight import check_writable
+
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise LatentCacheError(f"latent cache folder {root} is a file, not a folder: set {LATENT_CACHE_DIR} to a "
+                               "folder (or remove the file)")
+    return check_writable(root, LATENT_CACHE_DIR)
+
+
 def run_prepass(vae: nn.Module, device: torch.device, records: Sequence[Any], preset: Any, *, rank: int = 0,
                 world_size: int = 1, progress: bool = True, root: str | Path | None = None,
                 ) -> tuple[LatentCache, PrepassReport]:
@@ -470,13 +508,14 @@ def run_prepass(vae: nn.Module, device: torch.device, records: Sequence[Any], pr
         DatasetError: a window does not decode.
     """
     cache = LatentCache.for_vae(vae, device, root)
+    check_folder(cache.root)
     try:
         cache.root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise LatentCacheError(f"latent cache folder {cache.root} cannot be created ({e}): set ONECARD_LATENT_CACHE "
+        raise LatentCacheError(f"latent cache folder {cache.root} cannot be created ({e}): set {LATENT_CACHE_DIR} "
                                "to a writable folder") from None
     if not os.access(cache.root, os.W_OK):
-        raise LatentCacheError(f"latent cache folder {cache.root} is not writable: set ONECARD_LATENT_CACHE to a "
+        raise LatentCacheError(f"latent cache folder {cache.root} is not writable: set {LATENT_CACHE_DIR} to a "
                                "writable folder")
     home = next(vae.parameters()).device
     vae.to(device)
@@ -487,8 +526,30 @@ def run_prepass(vae: nn.Module, device: torch.device, records: Sequence[Any], pr
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        torch.distributed.barrier()  # every share written before anyone trains
+        counts = torch.tensor([report.hits, report.misses, report.corrupt], dtype=torch.int64)
+        if torch.distributed.get_backend() == "nccl":
+            counts = counts.to(device)
+        torch.distributed.all_reduce(counts)
+        hits, misses, corrupt = (int(c) for c in counts.cpu())
+        nbytes = sum(p.stat().st_size for p in {cache.path(cache.key(it)) for it in items_for(records, preset)}
+                     if p.is_file())
+        report = dataclasses.replace(report, hits=hits, misses=misses, corrupt=corrupt, bytes_on_disk=nbytes)
     return cache.read_only(), report
+
+
+def _write_problem(e: BaseException, path: Path) -> str:
+    """What stopped writing the entry ``path`` (an ``OSError`` or a safetensors error) and its fix, in one phrase."""
+    why = " ".join(str(e).split())[:160] or type(e).__name__
+    if isinstance(e, IsADirectoryError) or path.is_dir():
+        return f"{path} is a directory where an entry file belongs: remove it"
+    if isinstance(e, (FileExistsError, NotADirectoryError)) or (path.parent.exists() and not path.parent.is_dir()):
+        return f"{path.parent} is a file where a shard folder belongs: remove it"
+    if getattr(e, "errno", None) in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{path.parent} is read-only ({why}): make it writable"
+    if getattr(e, "errno", None) == errno.ENOSPC or "StorageFull" in why or "No space" in why:
+        return f"the disk is full writing {path.name} ({why}): free space"
+    return f"writing {path} failed ({type(e).__name__}: {why}): free disk space or fix the folder's permissions"
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -510,6 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def fill() -> None:
         from . import train
 
+        check_folder(latent_cache_dir())  # before the model and VAE are built
         recipe = train.CosmosSFT(train.parse_args(["--sft-toml", args.toml, "--no-save"]))
         recipe.preflight()
         with contextlib.ExitStack() as stack:

@@ -33,6 +33,7 @@ from patches.core.runtime import GiB
 
 from . import config as cfgmod
 from .config import SFTConfig
+from .frozen_bf16 import check_with_ema
 from .presets import build_transformer, build_vae, get_preset, select_trainable
 
 ACT_FIXED = int(0.79 * GiB)
@@ -89,10 +90,11 @@ def cosmos_ledger(
 
     Raises:
         ValueError: unknown preset, or ``keys_to_select`` empty / matching nothing.
+        UserError: ``COSMOS_FROZEN_BF16=1`` with the stock device EMA (:func:`frozen_bf16.check_with_ema`), which
+            the trainer refuses too.
     """
     if world_size < 1:
         raise ValueError(f"world size {world_size} must be >= 1")
-    c = _counts(preset_name, cfg.optimizer.keys_to_select)
     bf16 = device_type == "cuda" and cfg.model.precision == "bfloat16"
     b = 2 if bf16 else 4
     vae_b = 2 if device_type == "cuda" else 4
@@ -107,6 +109,8 @@ def cosmos_ledger(
     mixed = mb != b
     optim_lever = flags.get(OPTIM_STATE_OFFLOAD.name, False)
     frozen_lever = flags.get(FROZEN_BF16.name, False) and mixed
+    check_with_ema(frozen_lever, ema_on, ema_lever)  # the trainer's own refusal, so DRYRUN does not price it
+    c = _counts(preset_name, cfg.optimizer.keys_to_select)  # builds the model on the meta device (seconds)
     dt = "bf16" if mb == 2 else "fp32"
     frozen = c["all"] - c["train"]
     state = shard(c["train"]) * 2 * mb

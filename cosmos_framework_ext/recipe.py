@@ -1,6 +1,6 @@
 """The recipe's training-step math, shared by the trainer and the equivalence tests.
 
-Each function is one upstream rule (cosmos-framework, see ``shared/upstream/cosmos_framework.md`` §3-§4):
+Each function is one upstream rule (cosmos-framework, see NVIDIA cosmos-framework's code):
 flow-matching loss normalisation, grad clipping with ``force_finite``, the warm-up + cosine schedule.
 """
 

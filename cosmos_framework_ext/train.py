@@ -3,7 +3,7 @@
 ``python -m cosmos_framework_ext.train --sft-toml toml/vision_sft_edge_24gb.toml`` (or through
 ``launchers/sft_edge_24gb.sh``, which runs it under ``torchrun`` when no ``COSMOS_FRAMEWORK_ROOT`` is set).
 
-It reproduces upstream cosmos-framework's training step (``shared/upstream/cosmos_framework.md`` §1-§6) on
+It reproduces upstream cosmos-framework's training step (NVIDIA cosmos-framework's code) on
 diffusers' ``Cosmos3OmniTransformer`` and the Wan2.2 ``AutoencoderKLWan``: packed micro-batches with the
 strict fit rule, ``loss / grad_accum_iter``, AdamW (betas 0.9/0.95, eps 1e-6), warm-up + cosine, grad clip
 0.1 with ``force_finite``, power EMA updated after the optimizer step, bf16 compute with activation
@@ -60,7 +60,9 @@ from .ledger import cosmos_ledger, summary_line
 from .presets import build_transformer, build_vae, get_preset, select_trainable
 from .recipe import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
 from .latent_cache import CacheItem, online_latent, run_prepass
+from .latent_cache import check_folder as check_cache_folder
 from .frozen_bf16 import FrozenBF16
+from .frozen_bf16 import check_with_ema as check_frozen_with_ema
 from .optim_offload import OptimStateOffload
 from .vae_offload import offload_from_env
 
@@ -274,7 +276,7 @@ def _launch_world() -> int:
     world = 1
     for var in ("NPROC_PER_NODE", "NNODES"):
         raw = os.environ.get(var) or "1"
-        if not raw.isdigit() or int(raw) < 1:
+        if not flagmod.is_whole_number(raw) or int(raw) < 1:
             raise UserError(f"{var}={raw} is not a whole number >= 1")
         world *= int(raw)
     return world
@@ -349,6 +351,8 @@ class CosmosSFT(skeleton.Recipe):
         job = self.cfg.job
         self.run_dir = Path(os.environ.get("OUTPUT_ROOT") or "outputs/train") / job.project / job.group / job.name
         pf.check_writable(self.run_dir, "OUTPUT_ROOT")
+        if self.cache_lever:  # lever 4 writes the latent cache in its pre-pass, after the model is built
+            check_cache_folder(flagmod.latent_cache_dir())
         self.checkpoints = CheckpointManager(self.run_dir, write=self.main_rank)
         if self.cfg.checkpoint.load_path:
             _check_base_checkpoint(self.cfg.checkpoint.load_path)
@@ -372,10 +376,7 @@ class CosmosSFT(skeleton.Recipe):
         self.master_dtype = dtypes[par.fsdp_master_dtype] if self.device.type == "cuda" else self.dtype
         self.reduce_dtype = dtypes[par.fsdp_reduce_dtype]
         self.mixed = self.master_dtype != self.dtype  # upstream HEAD: fp32 master, compute in precision via FSDP2
-        if self.frozen_lever and self.mixed and self.cfg.model.ema.enabled and not self.ema_lever:
-            raise UserError("COSMOS_FROZEN_BF16=1 needs COSMOS_EMA_CPU_SUBSET=1 when [model.ema].enabled: the stock "
-                            "device EMA clones every parameter and would average the bf16 copies of frozen ones; "
-                            "set COSMOS_EMA_CPU_SUBSET=1 or unset COSMOS_FROZEN_BF16")
+        check_frozen_with_ema(self.frozen_lever and self.mixed, self.cfg.model.ema.enabled, self.ema_lever)
 
     def _load_dataset(self) -> None:
         """Every row of ``DATASET_PATH`` (or of the sample dataset, prepared once by rank 0) and every video."""
@@ -584,7 +585,16 @@ class CosmosSFT(skeleton.Recipe):
             stack.callback(self.frozen.close)
         elif self.frozen_lever and self.main_rank:
             print(f"onecard: COSMOS_FROZEN_BF16=1 has no effect: parameters are stored in {self.master_dtype}, the "
-                  "dtype they compute in (set [model.parallelism] fsdp_master_dtype = \"float32\" for upstream HEAD's dtypes)")
+                  f"dtype they compute in ({self._why_not_mixed()})")
+
+    def _why_not_mixed(self) -> str:
+        """Why parameters compute in the dtype they are stored in (so ``COSMOS_FROZEN_BF16`` has nothing to do)."""
+        if self.device.type != "cuda":
+            return "no bf16 compute on the CPU: the lever acts on a GPU run only"
+        if self.cfg.model.precision != "bfloat16":
+            return f"[model].precision = \"{self.cfg.model.precision}\": the lever needs bf16 compute"
+        return ("set [model.parallelism] fsdp_master_dtype = \"float32\" for upstream HEAD's dtypes, where frozen "
+                "fp32 parameters compute in bf16")
 
     # ------------------------------------------------------------ 4. checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ exit status 2, nothing written. The directory is built under a temporary name an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 
+from miles_ext.finite_step import require_finite
 from patches.core.errors import UserError, cli
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")
@@ -52,9 +54,13 @@ def load_lora_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dic
     """``(lora tensors by PEFT-in-model name, metadata)`` from an embedded-trainer checkpoint.
 
     Raises:
-        ExportError: missing file, not a checkpoint, or no LoRA tensors in it.
+        ExportError: missing file (or a directory), not a checkpoint, no LoRA tensors in it, or a LoRA tensor with
+            NaN/inf values (a damaged checkpoint).
     """
     p = Path(path)
+    if p.is_dir():
+        raise ExportError(f"checkpoint {p} is a directory, not a file: pass a checkpoints/iter_<rollout>.pt in it "
+                          "(the newest is named in checkpoints/latest_checkpoint.txt)")
     if not p.is_file():
         raise ExportError(f"checkpoint {p} does not exist: pass a checkpoints/iter_<rollout>.pt written by "
                           "launchers/sft_h3_t2va_1gpu.sh")
@@ -71,6 +77,8 @@ def load_lora_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dic
     for key in ("rank", "alpha", "target_modules"):
         if key not in meta:
             raise ExportError(f"{p} lacks lora_meta[{key!r}]: it was not written by the onecard H3 trainer")
+    require_finite(state, f"checkpoint {p}", error=ExportError,
+                   fix="the checkpoint is damaged: export an earlier iter_<rollout>.pt of the run")
     return state, meta
 
 
@@ -203,51 +211,75 @@ def export(checkpoint: str | Path, out_dir: str | Path, comfyui: bool = False) -
     """Write the adapter directory; returns a report (tensor count, shapes, files).
 
     Raises:
-        ExportError: see :func:`load_lora_checkpoint`; ``out_dir`` exists and is not empty.
+        ExportError: see :func:`load_lora_checkpoint`; ``out_dir`` is a file, or exists and is not empty; or it
+            cannot be written (under a file, read-only, disk full: the ``OSError`` / safetensors error named).
+            Nothing is left behind then: the temporary directory and any parent folders this call made are removed.
     """
     from peft import LoraConfig
-    from safetensors.torch import save_file
+    from safetensors import SafetensorError
 
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
+    if out.is_file() or (out.exists() and not out.is_dir()):
+        raise ExportError(f"{out} is a file, not a directory: pass a new directory for the adapter")
+    if out.is_dir() and any(out.iterdir()):
         raise ExportError(f"{out} exists and is not empty: pass a new directory")
     state, meta = load_lora_checkpoint(checkpoint)
     config = LoraConfig(r=int(meta["rank"]), lora_alpha=float(meta["alpha"]),
                         target_modules=list(meta["target_modules"]), lora_dropout=0.0, bias="none")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    made = [d for d in reversed(out.absolute().parents) if not d.exists()]  # parents this call creates, outermost first
+    tmp = None
     try:
-        config.save_pretrained(str(tmp))
-        cfg_path = tmp / "adapter_config.json"
-        cfg = json.loads(cfg_path.read_text())
-        cls = meta.get("base_model_class", "MiniMaxH3Transformer3DModel")
-        cfg["auto_mapping"] = {"base_model_class": cls, "parent_library": "diffusers"}  # PEFT's own field
-        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        metadata = {"format": "pt", "lora_rank": str(meta["rank"]), "lora_alpha": str(meta["alpha"])}
-        save_file(peft_state_dict(state), str(tmp / "adapter_model.safetensors"), metadata=metadata)
-        # diffusers' own LoRA file (keys "transformer.<m>.lora_A.weight"), read by load_lora_adapter and
-        # pipelines' load_lora_weights; the alpha travels in diffusers' metadata key.
-        # keys prefixed with the component, as diffusers' pipeline-level LoRA files carry them
-        lora_meta = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
-        dmeta = dict(metadata, lora_adapter_metadata=json.dumps(lora_meta, sort_keys=True, default=str))
-        save_file({k.replace("base_model.model.", "transformer.", 1): v for k, v in peft_state_dict(state).items()},
-                  str(tmp / "pytorch_lora_weights.safetensors"), metadata=dmeta)
-        files = ["adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors"]
-        if comfyui:
-            save_file(comfyui_state_dict(state, int(meta["rank"]), float(meta["alpha"])),
-                      str(tmp / "lora_comfyui.safetensors"),
-                      metadata=dict(metadata, layout="minimax-h3 original/ComfyUI names; attn.qkv_proj fused: rank "
-                                    "and alpha x the q/k/v projections adapted"))
-            files.append("lora_comfyui.safetensors")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        files = _write_adapter(tmp, out, config, state, meta, comfyui)
+    except (OSError, SafetensorError) as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise ExportError(f"cannot write the adapter to {out} ({type(e).__name__}: {why}): pass a new directory on a "
+                          "writable disk with free space") from None
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     shapes = sorted({tuple(v.shape) for v in state.values()})
     return {"tensors": len(state), "shapes": shapes, "rank": meta["rank"], "alpha": meta["alpha"],
             "files": files, "out_dir": str(out)}
+
+
+def _write_adapter(tmp: Path, out: Path, config: Any, state: dict[str, torch.Tensor], meta: dict[str, Any],
+                   comfyui: bool) -> list[str]:
+    """Write the adapter files into ``tmp``, then rename ``tmp`` onto ``out``; returns the file names."""
+    from safetensors.torch import save_file
+
+    config.save_pretrained(str(tmp))
+    cfg_path = tmp / "adapter_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cls = meta.get("base_model_class", "MiniMaxH3Transformer3DModel")
+    cfg["auto_mapping"] = {"base_model_class": cls, "parent_library": "diffusers"}  # PEFT's own field
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    metadata = {"format": "pt", "lora_rank": str(meta["rank"]), "lora_alpha": str(meta["alpha"])}
+    save_file(peft_state_dict(state), str(tmp / "adapter_model.safetensors"), metadata=metadata)
+    # diffusers' own LoRA file (keys "transformer.<m>.lora_A.weight"), read by load_lora_adapter and
+    # pipelines' load_lora_weights; the alpha travels in diffusers' metadata key.
+    # keys prefixed with the component, as diffusers' pipeline-level LoRA files carry them
+    lora_meta = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v for k, v in config.to_dict().items()}
+    dmeta = dict(metadata, lora_adapter_metadata=json.dumps(lora_meta, sort_keys=True, default=str))
+    save_file({k.replace("base_model.model.", "transformer.", 1): v for k, v in peft_state_dict(state).items()},
+              str(tmp / "pytorch_lora_weights.safetensors"), metadata=dmeta)
+    files = ["adapter_config.json", "adapter_model.safetensors", "pytorch_lora_weights.safetensors"]
+    if comfyui:
+        save_file(comfyui_state_dict(state, int(meta["rank"]), float(meta["alpha"])),
+                  str(tmp / "lora_comfyui.safetensors"),
+                  metadata=dict(metadata, layout="minimax-h3 original/ComfyUI names; attn.qkv_proj fused: rank "
+                                "and alpha x the q/k/v projections adapted"))
+        files.append("lora_comfyui.safetensors")
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -147,10 +147,15 @@ def guarded_optimizer_step(
     return take
 
 
-def require_finite(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], what: str) -> None:
-    """Raise :class:`NonFiniteTraining` naming the first tensor of ``tensors`` with a NaN/inf element (before a save)."""
+SAVE_FIX = "refusing to save it (the run should have skipped the step that caused it: please report this)"
+"""What :func:`require_finite` says by default (a trainer about to save)."""
+
+
+def require_finite(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], what: str, *,
+                   fix: str = SAVE_FIX, error: type[Exception] = NonFiniteTraining) -> None:
+    """Raise ``error`` (default :class:`NonFiniteTraining`) naming the first tensor of ``tensors`` with a NaN/inf
+    element: ``"<what>: <name> holds NaN/inf values; <fix>"`` (before a save, or before an export)."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
     for name, t in items:
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise NonFiniteTraining(f"{what}: {name} holds NaN/inf values; refusing to save it (the run should have "
-                                    "skipped the step that caused it: please report this)")
+            raise error(f"{what}: {name} holds NaN/inf values; {fix}")

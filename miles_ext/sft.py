@@ -1,6 +1,6 @@
 """The SFT training step of the miles-diffusion H3 recipe: seeding, noising, per-pair loss, ``loss_sum``.
 
-Upstream (``shared/upstream/miles_diffusion.md`` §3, loss hook ``prepare_sft_batch`` / ``sft_loss_formula``):
+Upstream (radixark/miles_diffusion's code, loss hook ``prepare_sft_batch`` / ``sft_loss_formula``):
 
 - sigma grid: ``sigmas = linspace(1, 1/N, N)`` shifted ``s*sigma / (1 + (s-1)*sigma)``, ``N = 1000`` for H3;
 - a micro-batch seeds one generator with ``stable_hash("sample", seed, rollout_id, microbatch_id, dp_rank)``

@@ -1,7 +1,7 @@
 """The embedded reference trainer for the miles-diffusion MiniMax-H3 t2va LoRA SFT recipe, on one GPU.
 
 ``bash launchers/sft_h3_t2va_1gpu.sh`` (or ``python -m miles_ext.train``). It trains what the 8-GPU recipe
-trains (``shared/upstream/miles_diffusion.md`` §1-§4):
+trains (radixark/miles_diffusion's code):
 
 - diffusers' ``MiniMaxH3Transformer3DModel`` (``full``: 33.1 B parameters on a GPU; ``tiny`` without one),
   random init, LoRA rank 64 / alpha 128 on the H3 targets (PEFT, fp32 adapters);
@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
+import math
 import os
 import sys
 import time
@@ -53,6 +54,7 @@ from patches.core import preflight as pf
 from patches.core.checkpoint import CheckpointManager
 from patches.core.config import add_arguments, from_namespace
 from patches.core.errors import UserError, cli
+from patches.core.flags import is_whole_number
 from patches.core.io import atomic_torch_save
 from patches.core.runtime import GiB, free_port, host_rss, median, to_local
 from patches.core.trainer import Recipe, StepResult
@@ -239,7 +241,7 @@ def _resolve_master_port(cfg: H3SFTConfig) -> str:
         return str(pf.check_port_free(cfg.master_port, "--master-port"))
     env = os.environ.get("MASTER_PORT", "")
     if env:
-        if not env.isdigit():
+        if not is_whole_number(env):
             raise UserError(f"MASTER_PORT={env} is not a whole number: set a free port, or unset it to pick one")
         return str(pf.check_port_free(int(env), "MASTER_PORT"))
     return str(free_port())
@@ -301,8 +303,8 @@ class H3SFTRecipe(Recipe):
         pf.check_at_least(cfg.num_rollout, 1, "--num-rollout", "train at least one rollout")
         pf.check_at_least(cfg.lora_rank, 1, "--lora-rank", "the recipe's is 64")
         for flag, value in (("--lora-alpha", cfg.lora_alpha), ("--lr", cfg.lr), ("--clip-grad", cfg.clip_grad)):
-            if not value > 0:
-                raise UserError(f"{flag} = {value} must be > 0")
+            if not (math.isfinite(value) and value > 0):
+                raise UserError(f"{flag} = {value} must be a finite number > 0")
         pf.check_at_least(cfg.seed, 0, "--seed")
         pf.check_at_least(cfg.max_nonfinite_skips_in_a_row, 0, "--max-nonfinite-skips-in-a-row", "0 never stops")
         self._check_batch()
@@ -338,7 +340,7 @@ class H3SFTRecipe(Recipe):
 
         Raises:
             UserError: a value that is neither ``auto`` nor a whole number >= 0; residency without
-                ``--fsdp-cpu-offload``; a budget that is not > 0, above the card's memory, or given without
+                ``--fsdp-cpu-offload``; a budget that is not a finite number > 0, above the card's memory, or given without
                 ``--fsdp-resident-blocks auto``; ``auto`` with no GPU and no ``--gpu-budget-gib`` (its default is
                 the card's memory).
         """
@@ -355,8 +357,8 @@ class H3SFTRecipe(Recipe):
             if self.resident_value != "auto":
                 raise UserError(f"--gpu-budget-gib {budget} is the budget --fsdp-resident-blocks auto fills: add "
                                 "--fsdp-resident-blocks auto, or drop --gpu-budget-gib")
-            if not budget > 0:
-                raise UserError(f"--gpu-budget-gib {budget} must be > 0 (GiB of GPU memory)")
+            if not (math.isfinite(budget) and budget > 0):
+                raise UserError(f"--gpu-budget-gib {budget} must be a finite number > 0 (GiB of GPU memory)")
             if self.device.type == "cuda":
                 card = torch.cuda.get_device_properties(self.device).total_memory
                 if budget * GiB > card:

@@ -20,6 +20,7 @@ Each ``patched_*`` is a factory: it receives upstream's original function and re
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -57,23 +58,27 @@ def _one_rank(what: str) -> None:
 def resident_count(model: torch.nn.Module, no_split: list[str], value: str, environ=None) -> int:
     """N for ``MILES_RESIDENT_BLOCKS`` = ``value`` (``auto`` or a number): ``auto`` plans with the memory model
     (:func:`miles_ext.residency.plan_resident_blocks`) for ``$MILES_GPU_BUDGET_GIB`` (default: the card's total
-    memory) and :data:`PLAN_TOKENS`, and prints the plan. Raises :class:`UserError` for a number above the
-    block count or a bad budget."""
+    memory) and :data:`PLAN_TOKENS`, and prints the plan.
+
+    Raises:
+        UserError: a number above the model's block count (one line naming ``MILES_RESIDENT_BLOCKS`` and the count;
+            only checkable once the model is known), a bad ``MILES_GPU_BUDGET_GIB`` (a :class:`FlagError`), or
+            ``auto`` with neither a GPU nor a budget.
+    """
     from miles_ext.residency import block_bytes, plan_resident_blocks
-    from patches.core.flags import MILES_GPU_BUDGET_GIB
+    from patches.core.flags import MILES_GPU_BUDGET_GIB, miles_gpu_budget_gib
 
     env = environ if environ is not None else os.environ
     sizes, root, adapters = block_bytes(model, no_split)
     if value != "auto":
         n = int(value)
         if n > len(sizes):
-            raise UserError(f"MILES_RESIDENT_BLOCKS={n} but the model has {len(sizes)} blocks: use at most that, or auto")
+            raise UserError(f"MILES_RESIDENT_BLOCKS={n} but this model has {len(sizes)} FSDP blocks "
+                            f"({', '.join(no_split)}): set MILES_RESIDENT_BLOCKS to at most {len(sizes)}, or auto")
         return n
-    raw = env.get(MILES_GPU_BUDGET_GIB, "")
+    gib = miles_gpu_budget_gib(env)
     try:
-        budget = float(raw) * GiB if raw else float(torch.cuda.get_device_properties(0).total_memory)
-    except ValueError:
-        raise UserError(f"{MILES_GPU_BUDGET_GIB}={raw!r} is not a number of GiB") from None
+        budget = gib * GiB if gib is not None else float(torch.cuda.get_device_properties(0).total_memory)
     except (AssertionError, RuntimeError):
         raise UserError(f"MILES_RESIDENT_BLOCKS=auto without a GPU: set {MILES_GPU_BUDGET_GIB}") from None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -104,7 +109,11 @@ def patched_apply_fsdp2(original: Callable[..., Any]) -> Callable[..., Any]:
         resident = None
         if value and cpu_offload:
             blocks = sum(1 for m in model.modules() if type(m).__name__ in set(no_split))
-            resident = select_resident(blocks, resident_count(model, no_split, str(value)))
+            try:
+                resident = select_resident(blocks, resident_count(model, no_split, str(value)))
+            except UserError as e:  # inside a Ray actor the traceback buries it: print the one line first
+                print(f"error: {e}", file=sys.stderr, flush=True)
+                raise
         onecard_apply(
             model, cpu_offload=bool(cpu_offload), mesh=mesh,
             param_dtype=_dtype(getattr(args, "diffusion_forward_dtype", "bf16"), "--diffusion-forward-dtype"),

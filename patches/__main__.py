@@ -35,6 +35,9 @@ def status() -> int:
     print("onecard flags for miles-diffusion (H3)")
     for f in flags.MILES_FLAGS:
         print(f"  {f.name}={_shown(f, values[f.name])}  {f.help}")
+    budget = flags.miles_gpu_budget_gib()
+    print(f"  {flags.MILES_GPU_BUDGET_GIB}={'(unset: the card)' if budget is None else f'{budget:g}'}  GPU budget in "
+          f"GiB that {flags.MILES_RESIDENT_BLOCKS.name}=auto fills")
     code = max(code, _miles_status(values, os.environ.get("MILES_DIFFUSION_ROOT", "")))
     try:
         import torch
@@ -48,10 +51,13 @@ def status() -> int:
     return code
 
 
-def _shown(flag: flags.Flag | flags.ChoiceFlag, value: bool | str) -> str:
-    """How ``status`` prints a flag's value: 1/0 for a boolean, the word (or ``(unset)``) for a choice."""
+def _shown(flag: flags.Flag | flags.ChoiceFlag | flags.CountFlag, value: bool | str) -> str:
+    """How ``status`` prints a flag's value: 1/0 for a boolean, the word or number (or ``(unset)``) for a choice or
+    count flag."""
     if isinstance(flag, flags.ChoiceFlag):
         return str(value) if value else f"(unset; accepts {'/'.join(flag.choices)})"
+    if isinstance(flag, flags.CountFlag):
+        return str(value) if value else "(unset; accepts auto or a whole number)"
     return "1" if value else "0"
 
 
@@ -60,9 +66,9 @@ def _upstream_status(values: dict[str, bool | str], root: str) -> int:
     if not root:
         print("target: embedded reference trainer (levers built in; no upstream patched)")
         return 0
-    if not os.path.isdir(os.path.join(root, "cosmos_framework")):
-        print(f"error: COSMOS_FRAMEWORK_ROOT={root} is not a cosmos-framework checkout (no cosmos_framework/ in "
-              "it): point it at your checkout, or unset it for the embedded trainer", file=sys.stderr)
+    problem = _root_problem("COSMOS_FRAMEWORK_ROOT", root)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     from .cosmos_table import patch_set
 
@@ -74,13 +80,30 @@ def _miles_status(values: dict[str, bool | str], root: str) -> int:
     if not root:
         print("target: embedded H3 trainer (levers built in; no upstream patched)")
         return 0
-    if not os.path.isdir(os.path.join(root, "miles", "backends", "fsdp_utils")):
-        print(f"error: MILES_DIFFUSION_ROOT={root} is not a miles-diffusion checkout (no miles/backends/fsdp_utils/ "
-              "in it): point it at your checkout, or unset it for the embedded trainer", file=sys.stderr)
+    problem = _root_problem("MILES_DIFFUSION_ROOT", root)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     from .miles_table import patch_set
 
     return _table_status(values, root, patch_set())
+
+
+ROOTS = {"COSMOS_FRAMEWORK_ROOT": ("cosmos-framework", ("cosmos_framework",)),
+         "MILES_DIFFUSION_ROOT": ("miles-diffusion", ("miles", "backends", "fsdp_utils"))}
+"""Upstream root variable -> (upstream, the folder inside a checkout that proves it is one)."""
+
+
+def _root_problem(var: str, root: str) -> str:
+    """Why ``root`` (the value of ``var``, one of :data:`ROOTS`) is not a checkout, or ``""`` when it is one (or
+    unset)."""
+    if not root:
+        return ""
+    name, inside = ROOTS[var]
+    if not os.path.isdir(os.path.join(root, *inside)):
+        return (f"{var}={root} is not a {name} checkout (no {'/'.join(inside)}/ in it): point it at your "
+                "checkout, or unset it for the embedded trainer")
+    return ""
 
 
 def _table_status(values: dict[str, bool | str], root: str, ps) -> int:
@@ -110,16 +133,34 @@ def _table_status(values: dict[str, bool | str], root: str, ps) -> int:
 
 
 def check() -> int:
-    """Apply the patches in this (throwaway) process: 0 and the patched targets, or 2 and one error line."""
+    """Apply the patches in this (throwaway) process: 0 and the patched targets, or 2 and one error line.
+
+    Checked first, as ``status`` does: every cosmos and miles flag (``MILES_GPU_BUDGET_GIB`` too), and each root
+    that is set (``COSMOS_FRAMEWORK_ROOT``, ``MILES_DIFFUSION_ROOT``) must be a checkout, whether or not a flag is on.
+    With ``MILES_DIFFUSION_ROOT`` and ``MILES_ONECARD_FSDP=1`` the miles table is applied here too.
+    """
     from .guard import UpstreamMismatch
     from .run import apply_from_env
 
     try:
+        miles = flags.read_miles()
+        for var in ROOTS:
+            problem = _root_problem(var, os.environ.get(var, ""))
+            if problem:
+                raise UpstreamMismatch(problem)
         patched = apply_from_env()
+        miles_root = os.environ.get("MILES_DIFFUSION_ROOT", "")
+        if miles_root and any(miles.values()):
+            from .miles_table import patch_set
+
+            if miles_root not in sys.path:
+                sys.path.insert(0, miles_root)
+            patched += patch_set().apply(miles)
     except (flags.FlagError, UpstreamMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    why = "no lever flag set" if not any(flags.read_all().values()) else "no COSMOS_FRAMEWORK_ROOT: the embedded trainer has the levers built in"
+    why = ("no lever flag set" if not any(flags.read_all().values()) and not any(miles.values()) else
+           "no upstream root set: the embedded trainers have the levers built in")
     print("patched: " + (", ".join(patched) or f"nothing ({why})"))
     return 0
 

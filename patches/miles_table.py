@@ -1,7 +1,7 @@
 """The patch table for radixark/miles_diffusion's FSDP application (one GPU, ``MILES_DIFFUSION_ROOT``).
 
 Targets, read at these commits of ``miles/backends/fsdp_utils/`` (the newest versions the public snapshots hold;
-``shared/upstream/miles_diffusion.md``, S3):
+radixark/miles_diffusion's code):
 
 - ``model_loader.py`` @ 2f59a1e6 and @ 371fd61f: ``apply_fsdp2(model, parallel_plan, mesh=None, cpu_offload=False,
   args=None)``. Upstream builds ``CPUOffloadPolicy()`` (``pin_memory=True``: every shard pinned through the

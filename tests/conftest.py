@@ -11,6 +11,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -39,6 +40,18 @@ def _private_output_and_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     """
     monkeypatch.setenv("OUTPUT_ROOT", str(tmp_path / "onecard-outputs"))
     monkeypatch.setenv("ONECARD_DATA_CACHE", str(tmp_path / "onecard-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Whatever a test's code writes into ``os.environ`` (a benchmark's ``main()`` sets lever flags for its
+    configurations) is undone after it, so that no later test on the same worker runs with, say,
+    ``COSMOS_LATENT_CACHE=1`` it never asked for."""
+    before = dict(os.environ)
+    yield
+    for k in set(os.environ) - set(before):
+        del os.environ[k]
+    os.environ.update(before)
 
 
 @pytest.fixture(scope="session")

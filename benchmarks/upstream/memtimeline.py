@@ -18,6 +18,15 @@ rounded block size the allocator counts), ``time_us`` and ``frames`` (``filename
 recent first). Unknown actions are ignored.
 
     python benchmarks/upstream/memtimeline.py SNAPSHOT.pickle [--device 0]   # report as JSON on stdout
+
+**Only open snapshots you made.** A snapshot is a pickle, and ``pickle.load`` runs whatever code a crafted file
+names. :func:`load_snapshot` (what the command line uses) unpickles with :class:`_PlainData`, which refuses every
+class and function reference, so only plain data loads (dict, list, tuple, str, bytes, int, float, bool, None:
+all that ``torch.cuda.memory._snapshot()`` holds); torch offers no loader for these raw pickles (``torch.load``'s
+``weights_only`` reads ``torch.save`` files). That closes the known way a pickle runs code, but a hostile file
+can still exhaust memory (a huge nested payload): do not point this tool at files from elsewhere. A payload
+that is not a snapshot (not a dict, no ``device_traces`` list, ``--device`` out of range, an event that is not
+a dict) is one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -30,6 +39,47 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 GiB = 1 << 30
+
+
+class SnapshotError(ValueError):
+    """A file that is not a usable allocator snapshot: the message names the problem and the fix, in one line."""
+
+
+class _PlainData(pickle.Unpickler):
+    """An unpickler that loads plain data only: any class or function reference (``find_class``) is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"it references {module}.{name}; a snapshot holds plain data only "
+                                     "(refused: unpickling it could run code)")
+
+
+def load_snapshot(path: str, device: int = 0) -> dict[str, Any]:
+    """Unpickle ``path`` as plain data (:class:`_PlainData`) and check it is a snapshot with a trace for ``device``.
+
+    Raises:
+        SnapshotError: the file cannot be read or unpickled, references a class or function, is not a dict with
+            a ``device_traces`` list, has no trace for ``device``, or holds an event that is not a dict.
+    """
+    try:
+        with open(path, "rb") as fh:
+            snap = _PlainData(fh).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError) as exc:
+        raise SnapshotError(f"cannot read snapshot {path!r}: {exc}; pass a file written by "
+                            "torch.cuda.memory._dump_snapshot") from None
+    if not isinstance(snap, dict) or not isinstance(snap.get("device_traces"), list):
+        what = type(snap).__name__ if not isinstance(snap, dict) else "a dict without a device_traces list"
+        raise SnapshotError(f"{path!r} is not an allocator snapshot (it holds {what}); pass a file written by "
+                            "torch.cuda.memory._dump_snapshot")
+    traces = snap["device_traces"]
+    if not 0 <= device < len(traces):
+        raise SnapshotError(f"--device {device}: {path!r} has traces for devices 0..{len(traces) - 1}" if traces else
+                            f"{path!r} has no device traces: record with torch.cuda.memory._record_memory_history "
+                            "(ONECARD_MEMORY_HISTORY) before the run allocates")
+    events = traces[device]
+    if not isinstance(events, list) or not all(isinstance(ev, dict) for ev in events):
+        raise SnapshotError(f"{path!r}: device_traces[{device}] is not a list of event dicts; pass a file written by "
+                            "torch.cuda.memory._dump_snapshot")
+    return snap
 _OWN = ("cosmos_framework/", "cosmos_framework_ext/", "/patches/")
 
 
@@ -120,16 +170,21 @@ def analyse(snapshot: dict[str, Any], device: int = 0, points: int = 400, top_n:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("snapshot", help="a pickle written by torch.cuda.memory._dump_snapshot")
-    p.add_argument("--device", type=int, default=0)
+    p.add_argument("snapshot", help="a pickle written by torch.cuda.memory._dump_snapshot; only open snapshots "
+                   "you made (plain data only is unpickled, but a hostile file can still exhaust memory)")
+    p.add_argument("--device", type=int, default=0, help="CUDA device index of the trace to replay")
     args = p.parse_args(argv)
     try:
-        with open(args.snapshot, "rb") as fh:
-            snap = pickle.load(fh)
-    except (OSError, pickle.UnpicklingError, EOFError) as exc:
-        print(f"error: cannot read snapshot {args.snapshot!r}: {exc}", file=sys.stderr)
+        snap = load_snapshot(args.snapshot, args.device)
+        try:
+            report = analyse(snap, args.device)
+        except (TypeError, ValueError, AttributeError) as exc:  # a field of the wrong type in an event
+            raise SnapshotError(f"{args.snapshot!r}: a malformed event in device_traces[{args.device}] ({exc}); "
+                                "pass a file written by torch.cuda.memory._dump_snapshot") from None
+    except SnapshotError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
-    json.dump(analyse(snap, args.device), sys.stdout, indent=1)
+    json.dump(report, sys.stdout, indent=1)
     print()
     return 0
 

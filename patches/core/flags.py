@@ -8,6 +8,7 @@ Every flag is off unless set. A boolean :class:`Flag` must read 1/0/true/false/y
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -136,6 +137,15 @@ def read_all(environ: dict[str, str] | None = None) -> dict[str, bool | Choice]:
     return {f.name: f.value(environ) for f in ALL_FLAGS}
 
 
+def is_whole_number(text: str) -> bool:
+    """``text`` is ASCII digits only (``"07"`` yes; ``""``, ``"-3"``, ``"3.0"``, ``"\u00b3"`` no).
+
+    ``str.isdigit`` alone is True for other scripts' digits (``"\u00b3"``, ``"\u0663"``) that ``int()`` rejects or reads
+    differently, so every whole-number parser of onecard uses this instead.
+    """
+    return text.isascii() and text.isdigit()
+
+
 @dataclasses.dataclass(frozen=True)
 class CountFlag:
     """An environment flag that is off (unset/empty), ``auto``, or a whole number >= 0 (any case)."""
@@ -149,8 +159,10 @@ class CountFlag:
         """``Choice("auto")``, ``Choice("<n>")`` or ``Choice("")``; raises :class:`FlagError` on other text."""
         raw = (environ if environ is not None else os.environ).get(self.name, "")
         text = raw.strip().lower()
-        if text == "" or text == "auto" or text.isdigit():
-            return Choice(str(int(text)) if text.isdigit() else text)
+        if text == "" or text == "auto":
+            return Choice(text)
+        if is_whole_number(text):
+            return Choice(str(int(text)))
         raise FlagError(f"{self.name}={raw!r} is not auto or a whole number: set one of those, or unset it")
 
 
@@ -167,15 +179,41 @@ MILES_RESIDENT_BLOCKS = CountFlag(
 MILES_GPU_BUDGET_GIB = "MILES_GPU_BUDGET_GIB"
 """Environment variable: the GPU budget in GiB that ``MILES_RESIDENT_BLOCKS=auto`` fills (default: the card)."""
 
+
+def miles_gpu_budget_gib(environ: dict[str, str] | None = None) -> float | None:
+    """``$MILES_GPU_BUDGET_GIB`` in GiB, or ``None`` when unset or empty.
+
+    Raises:
+        FlagError: not a finite number > 0 (``abc``, ``0``, ``-3``, ``nan``, ``inf``), naming the variable.
+    """
+    raw = (environ if environ is not None else os.environ).get(MILES_GPU_BUDGET_GIB, "")
+    if not raw.strip():
+        return None
+    try:
+        gib = float(raw.strip())
+    except ValueError:
+        gib = float("nan")
+    if not (math.isfinite(gib) and gib > 0):
+        raise FlagError(f"{MILES_GPU_BUDGET_GIB}={raw!r} is not a GPU budget: set a finite number of GiB > 0 "
+                        f"(e.g. 80), or unset it for the card's total memory")
+    return gib
+
+
 MILES_FLAGS: tuple[Flag | CountFlag, ...] = (MILES_ONECARD_FSDP, MILES_RESIDENT_BLOCKS)
 """The flags of the miles-diffusion patch table (``patches.miles_table``)."""
 
 
 def read_miles(environ: dict[str, str] | None = None) -> dict[str, bool | Choice]:
-    """The miles-diffusion flags' values by name; raises :class:`FlagError` on a bad one, or when
-    ``MILES_RESIDENT_BLOCKS`` is set without ``MILES_ONECARD_FSDP``."""
+    """The miles-diffusion flags' values by name; raises :class:`FlagError` on a bad one, when
+    ``MILES_RESIDENT_BLOCKS`` is set without ``MILES_ONECARD_FSDP``, or when ``MILES_GPU_BUDGET_GIB`` is not a
+    finite number > 0 or is set without ``MILES_RESIDENT_BLOCKS=auto`` (the only setting that reads it)."""
     values = {f.name: f.value(environ) for f in MILES_FLAGS}
     if values[MILES_RESIDENT_BLOCKS.name] and not values[MILES_ONECARD_FSDP.name]:
         raise FlagError(f"{MILES_RESIDENT_BLOCKS.name} needs {MILES_ONECARD_FSDP.name}=1 (partial residency is part "
                         "of onecard's FSDP application): set it, or unset the residency flag")
+    budget = miles_gpu_budget_gib(environ)
+    if budget is not None and values[MILES_RESIDENT_BLOCKS.name] != "auto":
+        raise FlagError(f"{MILES_GPU_BUDGET_GIB}={budget:g} is the budget {MILES_RESIDENT_BLOCKS.name}=auto fills, "
+                        f"and {MILES_RESIDENT_BLOCKS.name} is not auto: set {MILES_RESIDENT_BLOCKS.name}=auto, or unset "
+                        f"{MILES_GPU_BUDGET_GIB}")
     return values

@@ -11,6 +11,7 @@ import socket
 import sys
 
 from .errors import UserError, cli
+from .flags import is_whole_number
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,7 +56,7 @@ def _ports_cli(argv: list[str]) -> int:
         name, value = argv[1], argv[2]
 
         def check() -> None:
-            if not value.isdigit():
+            if not is_whole_number(value):
                 raise UserError(f"{name}={value} is not a whole number")
             check_port_free(int(value), name)
 

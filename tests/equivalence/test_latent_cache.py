@@ -245,6 +245,21 @@ def test_two_writers_at_once_leave_whole_entries(items, tmp_path):
     assert mismatches(vae, items, tmp_path) == []
 
 
+def test_rank_shares_cover_every_item_whatever_the_others_wrote(items, tmp_path):
+    """Ranks check the cache at different moments: rank 1 may look after rank 0 has written its share. The shares
+    are fixed by item position, so together they still cover every item (a share taken from 'what is missing
+    now' skipped items here, and training then stopped on a missing entry at 2 ranks)."""
+    vae = _vae()
+    reports = [lc.LatentCache.for_vae(vae, "cpu", tmp_path).prepass(items, rank=r, world_size=2, progress=False)
+               for r in (0, 1)]  # rank 0 all done before rank 1 looks: the worst order
+    reader = lc.LatentCache.for_vae(vae, "cpu", tmp_path).read_only()
+    for it in items:
+        reader.load(it, reader.key(it))  # raises if an entry is missing
+    distinct = len({lc.LatentCache.for_vae(vae, "cpu", tmp_path).key(it).digest for it in items})
+    assert sum(r.misses for r in reports) + sum(r.hits for r in reports) == len(items)
+    assert len(list(tmp_path.rglob("*.safetensors"))) == distinct
+
+
 def test_cli_fills_the_cache_the_trainer_then_hits(train_env, monkeypatch, capsys):
     from tests.test_train import small_toml
 

@@ -1,0 +1,93 @@
+"""Argument checks and result writes shared by the benchmark scripts (``edge_24gb.py``, ``edge_exact.py``,
+``h3_1gpu.py``).
+
+Every check raises :class:`patches.core.errors.UserError` with one line naming the flag, the bad value and the
+fix; the scripts run their ``main`` under :func:`patches.core.errors.cli`, so bad input prints one ``error:`` line
+and exits 2. The scripts call these checks before any expensive work (imports of the model, a GPU check, a run),
+and before anything is written under ``--out``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from patches.core.errors import UserError
+from patches.core.io import atomic_open
+
+
+def pick(flag: str, text: str, known: Iterable[str], *, allow_none: bool = False) -> list[str]:
+    """The comma-separated names in ``text`` (stripped, empty entries dropped), each one of ``known``.
+
+    Returns the names in the order given (duplicates dropped). With ``allow_none``, a ``text`` that names
+    nothing returns ``[]``.
+
+    Raises:
+        UserError: a name not in ``known`` (lists the known ones), or -- unless ``allow_none`` -- ``text``
+            names nothing (e.g. ``","``): selecting nothing would run nothing and write an empty result.
+    """
+    known = list(known)
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    unknown = [x for x in names if x not in known]
+    if unknown:
+        raise UserError(f"{flag} {','.join(unknown)!r}: unknown name(s); use a comma list of: {', '.join(known)}")
+    if not names and not allow_none:
+        raise UserError(f"{flag} {text!r} selects nothing; name at least one of: {', '.join(known)}")
+    return names
+
+
+def at_least(flag: str, value: float | None, low: float, why: str = "") -> None:
+    """``value >= low`` (``None`` passes: the flag's default applies); else :class:`UserError` saying ``why``."""
+    if value is not None and not value >= low:  # `not >=` also refuses NaN
+        raise UserError(f"{flag} {value:g}: must be >= {low:g}" + (f" ({why})" if why else ""))
+
+
+def positive(flag: str, value: float | None, unit: str = "") -> None:
+    """``value > 0`` (``None`` passes: the flag's default applies); else :class:`UserError`."""
+    if value is not None and not value > 0:  # `not >` also refuses NaN
+        raise UserError(f"{flag} {value:g}: must be a positive number{' of ' + unit if unit else ''}")
+
+
+def writable_dir(flag: str, path: str | os.PathLike) -> Path:
+    """Check that ``path`` is a writable folder, or can be created as one; creates nothing.
+
+    Returns ``Path(path)``. Walks up to the nearest existing ancestor: it must be a folder the process can
+    write into (and the path itself, if it exists, a folder); "can write" is tried by creating and at once
+    removing an empty ``.onecard-write-check-*`` folder there.
+
+    Raises:
+        UserError: ``path`` (or an ancestor) is a file, or the folder that would hold it is not writable.
+    """
+    out = Path(path)
+    probe = out
+    while not probe.exists():
+        if probe.is_symlink():  # a dangling link: mkdir would fail
+            raise UserError(f"{flag} {str(out)!r}: {str(probe)!r} is a broken symbolic link; pass another folder")
+        parent = probe.parent
+        if parent == probe:
+            break
+        probe = parent
+    if not probe.is_dir():
+        raise UserError(f"{flag} {str(out)!r}: {str(probe)!r} is a file, not a folder; pass a folder path")
+    try:  # os.access says yes to root everywhere, even on /proc: try it (an empty folder, removed at once)
+        os.rmdir(tempfile.mkdtemp(prefix=".onecard-write-check-", dir=probe))
+    except OSError as e:
+        raise UserError(f"{flag} {str(out)!r}: cannot create anything in {str(probe)!r} ({e.strerror}); "
+                        "pass a folder you can write to") from None
+    return out
+
+
+def write_together(files: Mapping[str | os.PathLike, str]) -> None:
+    """Write every ``{path: text}`` (UTF-8) atomically and together: each to a temporary file beside it, then all
+    renamed in place once every one is written and fsynced (:func:`patches.core.io.atomic_open`).
+
+    A failure while writing any of them leaves none of them changed (the temporaries are removed); only a
+    failing rename between two renames (a full or vanished disk) could leave a subset.
+    """
+    with contextlib.ExitStack() as stack:
+        handles = [(stack.enter_context(atomic_open(p, "w", encoding="utf-8")), text) for p, text in files.items()]
+        for f, text in handles:
+            f.write(text)

@@ -1,0 +1,232 @@
+"""Bad input to the benchmark scripts is one ``error:`` line, exit status 2, and nothing written under ``--out``;
+every check runs before the GPU check and any run (``benchmarks/checks.py``). CPU only: no configuration runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.checks import pick, writable_dir, write_together  # noqa: E402
+from patches.core.errors import UserError  # noqa: E402
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+
+
+def _load(name: str, rel: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / rel)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    return {"edge_24gb": _load("edge_24gb_inputs", "benchmarks/edge_24gb.py"),
+            "edge_exact": _load("edge_exact_inputs", "benchmarks/edge_exact.py"),
+            "h3_1gpu": _load("h3_1gpu_inputs", "benchmarks/h3_1gpu.py")}
+
+
+def _refused(mod, args, out: Path, capfd, mentions: str) -> str:
+    """``mod.main(args + --out out)`` exits 2 with exactly one stderr line, an ``error:`` naming ``mentions``, and
+    leaves ``out`` as it was (absent, or empty)."""
+    rc = mod.main([*args, "--out", str(out)])
+    err = capfd.readouterr().err
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert mentions in lines[0], lines[0]
+    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
+    return lines[0]
+
+
+EDGE_24GB_BAD = [
+    (["--smoke", "--only", ","], "--only"),
+    (["--smoke", "--only", "nosuch"], "--only"),
+    (["--only", "nosuch"], "--only"),  # the argument's own error first, not the missing GPU
+    (["--smoke", "--timelines", "nosuch"], "--timelines"),
+    (["--smoke", "--peak-tflops", "0"], "--peak-tflops"),
+    (["--smoke", "--budget-gib", "-1"], "--budget-gib"),
+    (["--smoke", "--budget-gib", "nan"], "--budget-gib"),
+    (["--smoke", "--steps", "1"], "--steps"),
+    (["--steps", "1"], "--steps"),
+    (["--grad-accum", "4"], "--grad-accum"),
+    (["--smoke", "--grad-accum", "0"], "--grad-accum"),
+]
+
+
+@pytest.mark.parametrize("args,flag", EDGE_24GB_BAD)
+def test_edge_24gb_refuses(scripts, tmp_path, capfd, args, flag):
+    _refused(scripts["edge_24gb"], args, tmp_path / "out", capfd, flag)
+
+
+EDGE_EXACT_BAD = [
+    (["--only", "nosuch"], "--only"),  # before the GPU check
+    (["--smoke", "--only", ","], "--only"),
+    (["--smoke", "--only", "HEAD dtypes, reference"], "--only"),  # the row names hold commas: keys only
+    (["--steps", "1"], "--steps"),
+    (["--smoke", "--grad-accum", "0"], "--grad-accum"),
+    (["--smoke", "--head-cap-gib", "0"], "--head-cap-gib"),
+    (["--smoke", "--seed-cap-gib", "-2"], "--seed-cap-gib"),
+]
+
+
+@pytest.mark.parametrize("args,flag", EDGE_EXACT_BAD)
+def test_edge_exact_refuses(scripts, tmp_path, capfd, args, flag):
+    _refused(scripts["edge_exact"], args, tmp_path / "out", capfd, flag)
+
+
+def test_edge_exact_only_takes_every_key(scripts):
+    assert pick("--only", ",".join(scripts["edge_exact"].KEYS), scripts["edge_exact"].KEYS)
+
+
+H3_BAD = [
+    (["--modes", ","], "--modes"),
+    (["--modes", "resident,fast"], "--modes"),
+    (["--clips", ","], "--clips"),
+    (["--clips", "81x480"], "--clips"),
+    (["--smoke", "--steps", "0"], "--steps"),
+    (["--smoke", "--micro-batches", "0"], "--micro-batches"),
+    (["--smoke", "--lora-rank", "0"], "--lora-rank"),
+    (["--smoke", "--timeout-s", "0"], "--timeout-s"),
+    (["--smoke", "--gpu-budget-gib", "-1"], "--gpu-budget-gib"),
+    (["--smoke", "--resident-blocks", "many"], "--resident-blocks"),
+    (["--steps", "0"], "--steps"),  # before the GPU check
+]
+
+
+@pytest.mark.parametrize("args,flag", H3_BAD)
+def test_h3_refuses(scripts, tmp_path, capfd, args, flag):
+    _refused(scripts["h3_1gpu"], args, tmp_path / "out", capfd, flag)
+
+
+@pytest.mark.parametrize("name", ["edge_24gb", "edge_exact", "h3_1gpu"])
+def test_out_that_is_a_file_is_refused_before_any_run(scripts, tmp_path, capfd, name):
+    (tmp_path / "file").write_text("keep")
+    for out in (tmp_path / "file", tmp_path / "file" / "below"):
+        rc = scripts[name].main(["--smoke", "--out", str(out)])
+        err = capfd.readouterr().err.strip().splitlines()
+        assert rc == 2 and len(err) == 1 and err[0].startswith("error: --out") and "is a file" in err[0], err
+    assert (tmp_path / "file").read_text() == "keep"
+
+
+@NO_CUDA
+@pytest.mark.parametrize("name,args", [("edge_24gb", []), ("edge_exact", []),
+                                       ("h3_1gpu", ["--modes", "resident", "--clips", "17x320x192"])])
+def test_no_gpu_is_one_line_after_the_argument_checks(scripts, tmp_path, capfd, name, args):
+    line = _refused(scripts[name], args, tmp_path / "out", capfd, "CUDA GPU")
+    assert "--smoke" in line
+
+
+@pytest.mark.parametrize("script,args", [("benchmarks/h3_1gpu.py", ["--clips", ","]),
+                                         ("benchmarks/edge_24gb.py", ["--smoke", "--only", ","])])
+def test_command_line_prints_one_line_and_no_traceback(tmp_path, script, args):
+    out = subprocess.run([sys.executable, str(REPO / script), *args, "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 2 and out.stdout == "", out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("error: "), out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_h3_merge_of_a_broken_result_is_one_line_and_writes_nothing(scripts, tmp_path, capfd):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "h3_1gpu.json").write_text("{not json")
+    assert scripts["h3_1gpu"].main(["--merge", str(tmp_path)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --merge") and "h3_1gpu.json" in err[0], err
+    (tmp_path / "a" / "h3_1gpu.json").write_text(json.dumps([{"mode": "resident"}]))  # no clip
+    assert scripts["h3_1gpu"].main(["--merge", str(tmp_path)]) == 2
+    assert len(capfd.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "h3_1gpu.json").exists() and not (tmp_path / "h3_1gpu.md").exists()
+
+
+# ---------------------------------------------------------------------------------------------- the helpers
+def test_pick_names_the_problem():
+    assert pick("--x", " b, a ,b", ["a", "b"]) == ["b", "a"]
+    assert pick("--x", ",", ["a"], allow_none=True) == []
+    with pytest.raises(UserError, match="selects nothing"):
+        pick("--x", " , ", ["a"])
+    with pytest.raises(UserError, match="'c'.*a, b"):
+        pick("--x", "a,c", ["a", "b"])
+
+
+def test_writable_dir_creates_nothing(tmp_path):
+    assert writable_dir("--out", tmp_path / "new" / "deeper") == tmp_path / "new" / "deeper"
+    assert list(tmp_path.iterdir()) == []  # the write probe is gone too
+    (tmp_path / "f").write_text("")
+    with pytest.raises(UserError, match="is a file"):
+        writable_dir("--out", tmp_path / "f" / "x")
+
+
+def test_write_together_is_both_or_neither(tmp_path):
+    a, b = tmp_path / "r.json", tmp_path / "r.md"
+    write_together({a: "old json", b: "old md"})
+    with pytest.raises(TypeError):
+        write_together({a: "new json", b: object()})  # the second fails while being written
+    assert (a.read_text(), b.read_text()) == ("old json", "old md")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]  # no temporaries left
+    write_together({a: "new json", b: "new md"})
+    assert (a.read_text(), b.read_text()) == ("new json", "new md")
+
+
+# ---------------------------------------------------------------------------------------------- memtimeline
+MEMTIMELINE = REPO / "benchmarks" / "upstream" / "memtimeline.py"
+
+
+class _Runs:
+    def __reduce__(self):
+        return (print, ("UNPICKLED CODE RAN",))
+
+
+@pytest.mark.parametrize("payload,words", [
+    ([1, 2], "holds list"),
+    ({"segments": []}, "without a device_traces list"),
+    ({"device_traces": []}, "no device traces"),
+    ({"device_traces": [[1]]}, "not a list of event dicts"),
+    ({"device_traces": [[{"action": "alloc", "addr": 1, "size": "big"}]]}, "malformed event"),
+    (_Runs(), "plain data only"),
+    (b"garbage", "cannot read snapshot"),
+])
+def test_memtimeline_refuses_what_is_not_a_snapshot(tmp_path, payload, words):
+    f = tmp_path / "snap.pickle"
+    f.write_bytes(b"not a pickle" if payload == b"garbage" else pickle.dumps(payload))
+    out = subprocess.run([sys.executable, str(MEMTIMELINE), str(f)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and out.stdout == "" and "UNPICKLED" not in out.stderr, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], out.stderr
+
+
+def test_memtimeline_device_out_of_range_and_a_good_snapshot(tmp_path):
+    f = tmp_path / "snap.pickle"
+    f.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc", "addr": 1, "size": 8, "time_us": 0}]]}))
+    for dev in ("1", "-1"):
+        out = subprocess.run([sys.executable, str(MEMTIMELINE), str(f), "--device", dev], capture_output=True,
+                             text=True, timeout=30)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --device"), out.stderr
+    out = subprocess.run([sys.executable, str(MEMTIMELINE), str(f)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and json.loads(out.stdout)["peak_bytes"] == 8, out.stderr
+
+
+def test_edge_exact_smoke_subset_writes_both_files(tmp_path, sample_dataset):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["DATASET_PATH"] = str(sample_dataset)
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "edge_exact.py"), "--smoke", "--only",
+                          "head-reference", "--steps", "2", "--grad-accum", "1", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads((tmp_path / "out" / "edge_exact_smoke.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == ["HEAD dtypes, reference"] and rows[0]["status"] == "ok"
+    assert "| HEAD dtypes, reference |" in (tmp_path / "out" / "edge_exact_smoke.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["edge_exact_smoke.json", "edge_exact_smoke.md"]
