@@ -42,6 +42,7 @@ import torch
 
 from miles_ext.finite_step import require_finite
 from patches.core.errors import UserError, cli
+from patches.core.io import give_new_modes
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")
 
@@ -276,6 +277,7 @@ def _write_adapter(tmp: Path, out: Path, config: Any, state: dict[str, torch.Ten
                   metadata=dict(metadata, layout="minimax-h3 original/ComfyUI names; attn.qkv_proj fused: rank "
                                 "and alpha x the q/k/v projections adapted"))
         files.append("lora_comfyui.safetensors")
+    give_new_modes(tmp)  # mkdtemp's 0700 would make the published adapter private to this user
     if out.exists():
         out.rmdir()
     os.replace(tmp, out)

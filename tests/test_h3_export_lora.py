@@ -182,3 +182,17 @@ def test_readme_shows_the_tested_snippet_verbatim():
     """The adapter-loading code in README is the text the test above executes, not a paraphrase."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert README_SNIPPET.strip() in readme
+
+
+def test_exported_folder_has_the_modes_of_any_new_output(trained, tmp_path):
+    """The folder is built by ``mkdtemp`` (0700): once published it must be readable as ``mkdir``/``open`` make
+    outputs under the umask, not private to the exporting user."""
+    import os
+    import stat
+
+    mask = os.umask(0)
+    os.umask(mask)
+    out = tmp_path / "modes"
+    export_lora.export(trained[1], out, comfyui=True)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
+    assert {stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {0o666 & ~mask}

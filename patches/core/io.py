@@ -28,6 +28,17 @@ def _umask_mode() -> int:
 _MODE = _umask_mode()  # read once, at import: changing the umask is process-wide and not thread-safe
 
 
+def give_new_modes(folder: str | Path) -> None:
+    """Give ``folder`` (made by ``tempfile.mkdtemp``: mode 0700) and the files in it the modes that ``mkdir()``
+    and ``open()`` give under the process umask, before the folder is renamed into place: a published
+    directory is then readable as any other output of the run."""
+    folder = Path(folder)
+    for f in folder.iterdir():
+        if f.is_file():
+            os.chmod(f, _MODE)
+    os.chmod(folder, _MODE | ((_MODE & 0o444) >> 2))  # the read bits also give search (x) on a folder
+
+
 @contextlib.contextmanager
 def _temp_beside(path: Path) -> Iterator[Path]:
     """A fresh temporary path in ``path``'s folder; renamed onto ``path`` on a clean exit, else removed."""
