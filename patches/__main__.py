@@ -31,14 +31,14 @@ def status() -> int:
     print(f"  {flags.LATENT_CACHE_DIR}={flags.latent_cache_dir()}  latent cache folder "
           f"({'used' if values[flags.LATENT_CACHE.name] else 'unused'}: {flags.LATENT_CACHE.name}="
           f"{_shown(flags.LATENT_CACHE, values[flags.LATENT_CACHE.name])})")
-    code = _upstream_status(values, os.environ.get("COSMOS_FRAMEWORK_ROOT", ""))
+    code = _upstream_status(values, "COSMOS_FRAMEWORK_ROOT", os.environ.get("COSMOS_FRAMEWORK_ROOT", ""))
     print("onecard flags for miles-diffusion (H3)")
     for f in flags.MILES_FLAGS:
         print(f"  {f.name}={_shown(f, values[f.name])}  {f.help}")
     budget = flags.miles_gpu_budget_gib()
     print(f"  {flags.MILES_GPU_BUDGET_GIB}={'(unset: the card)' if budget is None else f'{budget:g}'}  GPU budget in "
           f"GiB that {flags.MILES_RESIDENT_BLOCKS.name}=auto fills")
-    code = max(code, _miles_status(values, os.environ.get("MILES_DIFFUSION_ROOT", "")))
+    code = max(code, _upstream_status(values, "MILES_DIFFUSION_ROOT", os.environ.get("MILES_DIFFUSION_ROOT", "")))
     try:
         import torch
 
@@ -61,37 +61,28 @@ def _shown(flag: flags.Flag | flags.ChoiceFlag | flags.CountFlag, value: bool | 
     return "1" if value else "0"
 
 
-def _upstream_status(values: dict[str, bool | str], root: str) -> int:
-    """Print what the cosmos-framework table would do to the checkout at ``root``; 2 if anything mismatches."""
+def _upstream_status(values: dict[str, bool | str], var: str, root: str) -> int:
+    """Print what the patch table for upstream ``var`` (a key of :data:`ROOTS`) would do to the checkout at
+    ``root``; 0 when ``root`` is unset (the embedded trainer), 2 if it is no checkout or anything mismatches."""
+    _, _, table, embedded = ROOTS[var]
     if not root:
-        print("target: embedded reference trainer (levers built in; no upstream patched)")
+        print(f"target: {embedded} (levers built in; no upstream patched)")
         return 0
-    problem = _root_problem("COSMOS_FRAMEWORK_ROOT", root)
+    problem = _root_problem(var, root)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    from .cosmos_table import patch_set
+    import importlib
 
-    return _table_status(values, root, patch_set())
-
-
-def _miles_status(values: dict[str, bool | str], root: str) -> int:
-    """Print what the miles-diffusion table would do to the checkout at ``root``; 2 if anything mismatches."""
-    if not root:
-        print("target: embedded H3 trainer (levers built in; no upstream patched)")
-        return 0
-    problem = _root_problem("MILES_DIFFUSION_ROOT", root)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    from .miles_table import patch_set
-
-    return _table_status(values, root, patch_set())
+    return _table_status(values, root, importlib.import_module(table, __package__).patch_set())
 
 
-ROOTS = {"COSMOS_FRAMEWORK_ROOT": ("cosmos-framework", ("cosmos_framework",)),
-         "MILES_DIFFUSION_ROOT": ("miles-diffusion", ("miles", "backends", "fsdp_utils"))}
-"""Upstream root variable -> (upstream, the folder inside a checkout that proves it is one)."""
+ROOTS = {"COSMOS_FRAMEWORK_ROOT": ("cosmos-framework", ("cosmos_framework",), ".cosmos_table",
+                                   "embedded reference trainer"),
+         "MILES_DIFFUSION_ROOT": ("miles-diffusion", ("miles", "backends", "fsdp_utils"), ".miles_table",
+                                  "embedded H3 trainer")}
+"""Upstream root variable -> (upstream, the folder inside a checkout that proves it is one, its patch table
+module, what runs without it)."""
 
 
 def _root_problem(var: str, root: str) -> str:
@@ -99,7 +90,7 @@ def _root_problem(var: str, root: str) -> str:
     unset)."""
     if not root:
         return ""
-    name, inside = ROOTS[var]
+    name, inside = ROOTS[var][:2]
     if not os.path.isdir(os.path.join(root, *inside)):
         return (f"{var}={root} is not a {name} checkout (no {'/'.join(inside)}/ in it): point it at your "
                 "checkout, or unset it for the embedded trainer")
