@@ -218,6 +218,9 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path) -> Path:
         text, n = re.subn(pattern, repl, text)
         if n != 1:
             raise RuntimeError(f"edge_24gb.toml: expected one match of {pattern!r}")
+    if cfg.compile:  # the embedded trainer compiles only when [onecard] compile_blocks says so as well
+        text = text.replace("[onecard]\n", "[onecard]\ncompile_blocks = true\n", 1) if "[onecard]\n" in text \
+            else text + "\n[onecard]\ncompile_blocks = true\n"
     place = attention_place()
     if cfg.attention and place is not None:
         table, key = place

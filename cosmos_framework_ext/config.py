@@ -292,6 +292,11 @@ class OnecardConfig:
     the same rule as ``torch.nn.attention.flex_attention`` block masks (mask memory O(L), tiles of other samples
     skipped; cosmos_framework_ext.attention_blocksparse). Equal outputs and gradients within 1e-6 relative in
     fp32 (tests/equivalence/test_attention_blocksparse.py)."""
+    compile_blocks: bool = False
+    """Whether the embedded trainer obeys ``[model.compile] enabled`` on a GPU (each decoder layer compiled, packed
+    lengths dynamic: cosmos_framework_ext.compile_blocks). Off by default: the compiled path is proven on the CPU
+    (tests/equivalence/test_compile_blocks.py) but has not run on a GPU yet. Upstream's trainer reads only
+    ``[model.compile]``."""
 
 
 @dataclasses.dataclass

@@ -515,7 +515,7 @@ class CosmosSFT(skeleton.Recipe):
         self.proc = attention.install(model)
         model.train()
         self.compile_note = "eager"
-        if cfg.model.compile.enabled and device.type == "cuda":  # [model.compile]: each decoder layer, sizes dynamic
+        if cfg.onecard.compile_blocks and cfg.model.compile.enabled and device.type == "cuda":  # each decoder layer
             n = compile_blocks(model, dynamic=cfg.model.compile.compile_dynamic)
             self.compile_note = f"{n} decoder layers compiled (dynamic={cfg.model.compile.compile_dynamic})"
         # Lever: frozen parameters stored as their compute-dtype cast (before FSDP2 records the dtypes).

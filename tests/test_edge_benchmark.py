@@ -53,3 +53,15 @@ def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, sample_dataset
     assert "| + latent cache | ok |" in md and "s/sample" in md and "MFU" in md
     assert bench.main(["--smoke", "--grad-accum", "1", "--only", "nonesuch", "--out", str(tmp_path)]) == 2
     assert bench.main(["--grad-accum", "4", "--smoke", "--steps", "1", "--out", str(tmp_path)]) == 2
+
+
+def test_compiled_configuration_turns_the_embedded_compile_on(bench, tmp_path):
+    """``[model.compile] enabled`` alone leaves the embedded trainer eager (``[onecard] compile_blocks`` defaults to
+    false until the compiled path has run on a GPU): the benchmark's compiled row must set both."""
+    from cosmos_framework_ext.config import load as load_sft_config
+
+    by_name = {c.name: c for c in bench.CONFIGS}
+    on = load_sft_config(bench.recipe_toml(by_name["all levers"], 8, 3, tmp_path))
+    off = load_sft_config(bench.recipe_toml(by_name["levers 1+2"], 8, 3, tmp_path))
+    assert on.model.compile.enabled and on.onecard.compile_blocks
+    assert not off.model.compile.enabled and not off.onecard.compile_blocks
