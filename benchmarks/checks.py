@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping
 
 from patches.core.errors import UserError
 from patches.core.io import atomic_open
+from patches.core.preflight import check_at_least, check_writable
 
 
 def pick(flag: str, text: str, known: Iterable[str], *, allow_none: bool = False) -> list[str]:
@@ -40,9 +40,10 @@ def pick(flag: str, text: str, known: Iterable[str], *, allow_none: bool = False
 
 
 def at_least(flag: str, value: float | None, low: float, why: str = "") -> None:
-    """``value >= low`` (``None`` passes: the flag's default applies); else :class:`UserError` saying ``why``."""
-    if value is not None and not value >= low:  # `not >=` also refuses NaN
-        raise UserError(f"{flag} {value:g}: must be >= {low:g}" + (f" ({why})" if why else ""))
+    """``value >= low`` (``None`` passes: the flag's default applies); else :class:`UserError` saying ``why``
+    (:func:`patches.core.preflight.check_at_least`, which also refuses NaN)."""
+    if value is not None:
+        check_at_least(value, low, flag, why)
 
 
 def positive(flag: str, value: float | None, unit: str = "") -> None:
@@ -52,32 +53,14 @@ def positive(flag: str, value: float | None, unit: str = "") -> None:
 
 
 def writable_dir(flag: str, path: str | os.PathLike) -> Path:
-    """Check that ``path`` is a writable folder, or can be created as one; creates nothing.
-
-    Returns ``Path(path)``. Walks up to the nearest existing ancestor: it must be a folder the process can
-    write into (and the path itself, if it exists, a folder); "can write" is tried by creating and at once
-    removing an empty ``.onecard-write-check-*`` folder there.
+    """That ``path`` is a writable folder, or can be created as one; creates nothing. Returns ``Path(path)``
+    (:func:`patches.core.preflight.check_writable`, the trainers' check of ``OUTPUT_ROOT``).
 
     Raises:
-        UserError: ``path`` (or an ancestor) is a file, or the folder that would hold it is not writable.
+        UserError: ``path`` (or an ancestor) is a file or a broken link, or the folder that would hold it is not
+            writable.
     """
-    out = Path(path)
-    probe = out
-    while not probe.exists():
-        if probe.is_symlink():  # a dangling link: mkdir would fail
-            raise UserError(f"{flag} {str(out)!r}: {str(probe)!r} is a broken symbolic link; pass another folder")
-        parent = probe.parent
-        if parent == probe:
-            break
-        probe = parent
-    if not probe.is_dir():
-        raise UserError(f"{flag} {str(out)!r}: {str(probe)!r} is a file, not a folder; pass a folder path")
-    try:  # os.access says yes to root everywhere, even on /proc: try it (an empty folder, removed at once)
-        os.rmdir(tempfile.mkdtemp(prefix=".onecard-write-check-", dir=probe))
-    except OSError as e:
-        raise UserError(f"{flag} {str(out)!r}: cannot create anything in {str(probe)!r} ({e.strerror}); "
-                        "pass a folder you can write to") from None
-    return out
+    return check_writable(path, flag)
 
 
 def write_together(files: Mapping[str | os.PathLike, str]) -> None:

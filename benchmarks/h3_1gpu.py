@@ -109,7 +109,8 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
 
     from miles_ext import fast_init
     from miles_ext.lora import lora_parameters
-    from miles_ext.pinned import locked_bytes, pinned_report, proc_status_kib
+    from miles_ext.pinned import locked_bytes, pinned_report
+    from patches.core.runtime import proc_status_kib
     from miles_ext.presets import get_preset
     from miles_ext.recipe import pair_schedule
     from miles_ext.residency import block_bytes, parse_resident_blocks, plan_resident_blocks, select_resident

@@ -35,9 +35,10 @@ import torch
 from torch import nn
 
 from patches.core.host_arena import HostArena, pinned_bytes_total
+from patches.core.runtime import proc_status_kib
 
 __all__ = ["PinnedReport", "fsdp_params", "offloaded_fsdp_params", "rebind_shard", "pin_offloaded_shards",
-           "locked_bytes", "proc_status_kib", "pinned_report", "locked_within", "power_of_two_bytes"]
+           "locked_bytes", "pinned_report", "locked_within", "power_of_two_bytes"]
 
 ARENA_ATTR = "_onecard_fsdp_arena"
 """Attribute of the root module that keeps its arena alive (views into it are the offloaded shards)."""
@@ -146,20 +147,6 @@ def pin_offloaded_shards(model: nn.Module, *, pin: bool | None = None, copy: boo
     requested = sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size() for fp in fps)
     return PinnedReport(shards=len(fps), requested_bytes=requested, arena_bytes=arena.nbytes,
                         pinned_bytes=arena.pinned_bytes)
-
-
-def proc_status_kib(fields: tuple[str, ...] = ("VmLck", "VmPin", "VmRSS", "VmHWM")) -> dict[str, int]:
-    """``fields`` of ``/proc/self/status`` in KiB (0 for a field the kernel does not report, or off Linux)."""
-    out = {f: 0 for f in fields}
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                if key in out:
-                    out[key] = int(rest.split()[0])
-    except OSError:
-        pass
-    return out
 
 
 def locked_bytes() -> dict[str, int]:

@@ -513,7 +513,7 @@ class H3SFTRecipe(Recipe):
         from ``--base-checkpoint-path``); no full-model copy on the host in any dtype."""
         from miles_ext import fast_init
         from miles_ext.lora import lora_parameters
-        from miles_ext.pinned import proc_status_kib
+        from patches.core.runtime import proc_status_kib
 
         cfg = self.cfg
         self.rss_before = host_rss()

@@ -122,7 +122,7 @@ def test_cosmos_output_root_under_a_regular_file(tmp_path, sample_dataset):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     r = launch(COSMOS, tmp_path, DATASET_PATH=str(sample_dataset), OUTPUT_ROOT=str(blocker / "runs"))
-    line = assert_refused(r, f"{blocker} is a regular file", tmp_path, out=blocker / "runs")
+    line = assert_refused(r, f"{blocker} is a file, not a folder", tmp_path, out=blocker / "runs")
     assert "OUTPUT_ROOT=" in line and blocker.read_text() == "not a folder"
 
 

@@ -23,12 +23,19 @@ def check_writable(folder: str | Path, name: str) -> Path:
     created there must be creatable; it is removed at once. Returns ``folder`` as a :class:`Path`.
 
     Raises:
-        UserError: ``folder`` is under a regular file, or the nearest existing folder is not writable.
+        UserError: ``folder`` is a regular file or lies under one, a link on its path is dangling, or the nearest
+            existing folder is not writable.
     """
     folder = Path(folder)
     existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor))
+    dangling = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None:
+        raise UserError(f"{name}={folder} cannot be created: {dangling} is a broken symbolic link; point {name} at "
+                        "another folder")
+    if existing == folder and not folder.is_dir():
+        raise UserError(f"{name}={folder} is a file, not a folder; point {name} at a folder")
     if not existing.is_dir():
-        raise UserError(f"{name}={folder} cannot be created: {existing} is a regular file, not a folder; "
+        raise UserError(f"{name}={folder} cannot be created: {existing} is a file, not a folder; "
                         f"point {name} at a folder")
     try:
         fd, tmp = tempfile.mkstemp(prefix=".onecard-write-test-", dir=existing)
@@ -44,7 +51,7 @@ def check_at_least(value: int | float, minimum: int | float, name: str, hint: st
     """``value >= minimum``, or one error naming ``name``, its value and ``hint`` (how to fix it).
 
     Raises:
-        UserError: ``value < minimum``.
+        UserError: ``value < minimum``, or ``value`` is NaN.
     """
-    if value < minimum:
+    if not value >= minimum:  # `not >=` also refuses NaN
         raise UserError(f"{name} = {value} must be >= {minimum}{'; ' + hint if hint else ''}")

@@ -24,6 +24,20 @@ def host_rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def proc_status_kib(fields: tuple[str, ...] = ("VmLck", "VmPin", "VmRSS", "VmHWM")) -> dict[str, int]:
+    """``fields`` of ``/proc/self/status`` in KiB (``VmHWM``: peak RSS; ``VmLck``/``VmPin``: locked pages) (0 for a field the kernel does not report, or off Linux)."""
+    out = {f: 0 for f in fields}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in out:
+                    out[key] = int(rest.split()[0])
+    except OSError:
+        pass
+    return out
+
+
 def rank_world() -> tuple[int, int, int]:
     """``(RANK, WORLD_SIZE, LOCAL_RANK)`` from the environment ``torchrun`` sets (``(0, 1, 0)`` outside it)."""
     env = os.environ

@@ -177,7 +177,7 @@ MID = dict(num_attention_heads=8, attention_head_dim=128, hidden_size=1024, num_
 
 
 def _status(field: str) -> int:
-    from miles_ext.pinned import proc_status_kib
+    from patches.core.runtime import proc_status_kib
 
     return proc_status_kib((field,))[field] * 1024
 
