@@ -14,7 +14,9 @@ process (``--only`` picks some, ``--list`` names them all):
 3. ``+ latent cache``: also ``COSMOS_LATENT_CACHE=1`` (its pre-pass runs cold into a fresh
    ``ONECARD_LATENT_CACHE``; later configurations find every entry);
 4. ``+ block-sparse attention``: also ``[onecard] attention = "flex"``;
-5. ``all levers``: also ``[model.compile] enabled = true``.
+5. ``all levers``: also ``[model.compile] enabled = true``;
+6. ``all levers + optimizer-state streaming``: also ``COSMOS_OPTIM_STATE_OFFLOAD=1`` (issue 13's exact lever: the
+   AdamW moments in pinned host memory, streamed to the GPU for the optimizer step only).
 
 Optional (``--only``): ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
@@ -85,7 +87,7 @@ from patches.core.errors import UserError, cli  # noqa: E402
 from patches.core.io import atomic_write  # noqa: E402
 from patches.core.runtime import GiB  # noqa: E402
 
-EMA, VAE, CACHE = "COSMOS_EMA_CPU_SUBSET", "COSMOS_VAE_CPU_OFFLOAD", "COSMOS_LATENT_CACHE"
+EMA, VAE, CACHE, OPT = "COSMOS_EMA_CPU_SUBSET", "COSMOS_VAE_CPU_OFFLOAD", "COSMOS_LATENT_CACHE", "COSMOS_OPTIM_STATE_OFFLOAD"
 ATTENTION_PLACES = (("onecard", "attention"), ("model.attention", "impl"))
 """Where the trainer's schema may hold the packed-attention choice, as (table, key), first found wins: the
 ``attn`` lever put it in ``[onecard] attention``; the issue proposed ``[model.attention] impl`` (marked option)."""
@@ -113,18 +115,20 @@ class Config:
     """``[model.compile] enabled``."""
 
 
-OFF = {EMA: "0", VAE: "0", CACHE: "0"}
+OFF = {EMA: "0", VAE: "0", CACHE: "0", OPT: "0"}
 CONFIGS = [
     Config("stock (uncapped card)", OFF, False),
-    Config("levers 1+2", {EMA: "1", VAE: "1", CACHE: "0"}, True),
-    Config("+ latent cache", {EMA: "1", VAE: "1", CACHE: "1"}, True),
-    Config("+ block-sparse attention", {EMA: "1", VAE: "1", CACHE: "1"}, True, attention=ATTENTION_FLEX),
-    Config("all levers", {EMA: "1", VAE: "1", CACHE: "1"}, True, attention=ATTENTION_FLEX, compile=True),
+    Config("levers 1+2", {EMA: "1", VAE: "1", CACHE: "0", OPT: "0"}, True),
+    Config("+ latent cache", {EMA: "1", VAE: "1", CACHE: "1", OPT: "0"}, True),
+    Config("+ block-sparse attention", {EMA: "1", VAE: "1", CACHE: "1", OPT: "0"}, True, attention=ATTENTION_FLEX),
+    Config("all levers", {EMA: "1", VAE: "1", CACHE: "1", OPT: "0"}, True, attention=ATTENTION_FLEX, compile=True),
+    Config("all levers + optimizer-state streaming", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
+           attention=ATTENTION_FLEX, compile=True),
 ]
 OPTIONAL = [
     Config("stock", OFF, True),
-    Config("EMA lever", {EMA: "1", VAE: "0", CACHE: "0"}, True),
-    Config("VAE lever", {EMA: "0", VAE: "1", CACHE: "0"}, True),
+    Config("EMA lever", {EMA: "1", VAE: "0", CACHE: "0", OPT: "0"}, True),
+    Config("VAE lever", {EMA: "0", VAE: "1", CACHE: "0", OPT: "0"}, True),
 ]
 
 

@@ -172,8 +172,15 @@ def _at_lengths(m: BlockMask, q_len: int, kv_len: int) -> BlockMask:
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     """``flex_attention`` of q [1, H, Lq, D] over k/v [1, Hkv, Lkv, D] (the function that is compiled)."""
-    return flex_attention(q, k, v, block_mask=_at_lengths(block_mask, q.shape[-2], k.shape[-2]), enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=_at_lengths(block_mask, q.shape[-2], k.shape[-2]), enable_gqa=True,
+                          kernel_options=KERNEL_OPTIONS)
 
+
+KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}
+"""Inductor's flex kernel options. Below 128 query tokens inductor would pick its flex *decoding* kernel, which
+has no fp32 configuration for head_dim 128 on an H200 (``NoValidChoicesError``, measured 2026-11-30); the main
+kernel serves every length. A micro-batch whose query count crosses 128 still recompiles once: inductor guards
+on that comparison whatever the option says."""
 
 _COMPILED: dict[str, Callable] = {}
 

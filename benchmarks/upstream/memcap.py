@@ -12,6 +12,8 @@ init. So, before MODULE runs:
   (``LOCAL_RANK``) is capped with ``torch.cuda.set_per_process_memory_fraction``: the caching allocator
   then fails with an out-of-memory error where a card that size would;
 * at exit, one line reports the rank's peak allocated and reserved memory (``torch.cuda.max_memory_*``);
+  with ``ONECARD_MEMCAP_EVERY_S=S`` also a running-peak line every S seconds, so that a run stopped by a
+  time limit (which never reaches ``atexit``) still leaves its peak so far in the log;
 * ``wandb.util.generate_id`` is supplied when the installed wandb lacks it (see :func:`_wandb_compat`);
 * with ``ONECARD_MEMORY_HISTORY=DIR``, the allocator's history is recorded from before the first CUDA
   allocation (``torch.cuda.memory._record_memory_history``, Python stacks, ``ONECARD_MEMORY_HISTORY_MAX``
@@ -24,6 +26,7 @@ MODULE then runs as ``python -m`` would run it (``sys.path[0]`` is the working d
 from __future__ import annotations
 
 import atexit
+import time
 import os
 import runpy
 import sys
@@ -91,6 +94,23 @@ def _cap_and_report(rank: str) -> None:
                   file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - never mask the run's own error
             print(f"onecard memcap[rank {rank}]: memory history not written: {exc!r}", file=sys.stderr, flush=True)
+
+    every = os.environ.get("ONECARD_MEMCAP_EVERY_S", "").strip()
+    if every:
+        import threading
+
+        def running_peak() -> None:  # a run stopped by a time limit never reaches atexit: its log keeps these
+            while True:
+                time.sleep(float(every))
+                try:
+                    alloc = torch.cuda.max_memory_allocated(device) / GiB
+                    reserved = torch.cuda.max_memory_reserved(device) / GiB
+                except Exception:  # noqa: BLE001
+                    return
+                print(f"onecard memcap[rank {rank}]: running peak allocated {alloc:.2f} GiB, reserved {reserved:.2f} "
+                      "GiB", file=sys.stderr, flush=True)
+
+        threading.Thread(target=running_peak, name="onecard-memcap", daemon=True).start()
 
     atexit.register(report)
     if history:

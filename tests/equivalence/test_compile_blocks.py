@@ -104,6 +104,11 @@ def test_planted_static_compile_recompiles_every_length_and_is_detected():
 @pytest.mark.parametrize("impl", ["dense", "flex"])
 def test_cuda_inductor_blocks_equal_eager_and_do_not_recompile(impl):
     """What the trainer does on the GPU: inductor, dynamic sizes, fp32 tiny preset; losses and gradients within
-    1e-4 relative of the eager model (inductor fuses and reorders reductions), no recompile after warm-up."""
+    1e-4 relative of the eager model (inductor fuses and reorders reductions), no recompile after warm-up.
+
+    flex: inductor's flex lowering guards on "fewer than 128 query tokens" (its decoding-kernel test). Here the
+    vision queries of the first micro-batches (3-4 samples, 40-odd tokens) are fewer than 128 and later ones more,
+    so the crossing recompiles once: one more warm-up micro-batch (measured [2, 0, 2, 0, 0] on the H200). The
+    recipe's micro-batches hold 8-12 k vision tokens and over 1000 text tokens: they never cross it."""
     counts = compiles_per_micro_batch(impl, lambda m: compile_blocks(m, dynamic=True), device="cuda", rtol=1e-4)
-    assert lengths_do_not_recompile(counts), counts
+    assert lengths_do_not_recompile(counts, warmup=3 if impl == "flex" else 2), counts

@@ -408,6 +408,11 @@ def test_cuda_race_copy_waits_for_the_optimizer_step(placement, exact):
 def test_cuda_race_host_lerp_waits_for_the_copy_event(placement, exact):
     """The side stream is held before the D2H copy; the worker's lerp must wait for the copy's event."""
     p, opt, ema = _cuda_ema(placement)
+    # The staging buffers are uninitialised host memory, which may be a freed arena of the previous test that
+    # holds exactly these values (measured on the H200: the planted variant then passed). NaN makes a lerp
+    # that reads before the copy visible.
+    for s in ema._impl.staging:
+        s.fill_(float("nan"))
     _sgd_step(p, opt, 1.0)
     with torch.cuda.stream(ema._impl._copy_stream):
         torch.cuda._sleep(_CUDA_SLEEP_CYCLES)

@@ -30,7 +30,7 @@ def _run(lever: type[OptimStateOffload] | None, steps: int = STEPS, *, device: s
     model.to(device)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, betas=(0.9, 0.95),
                             eps=1e-6, weight_decay=0.01, fused=fused or None)
-    off = lever(opt, group_bytes=GROUP_BYTES, pin=False) if lever is not None else None
+    off = lever(opt, group_bytes=GROUP_BYTES, pin=device == "cuda") if lever is not None else None  # pinned as the trainer runs it
     ema = EMA(model, placement="device")
     gamma = power_ema_gamma(0.1)
     R.train(model, opt, 0, steps, after_step=lambda i: ema.step(power_ema_beta(i, gamma)))
