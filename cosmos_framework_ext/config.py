@@ -294,8 +294,9 @@ class OnecardConfig:
     fp32 (tests/equivalence/test_attention_blocksparse.py)."""
     compile_blocks: bool = False
     """Whether the embedded trainer obeys ``[model.compile] enabled`` on a GPU (each decoder layer compiled, packed
-    lengths dynamic: cosmos_framework_ext.compile_blocks). Off by default: the compiled path is proven on the CPU
-    (tests/equivalence/test_compile_blocks.py) but has not run on a GPU yet. Upstream's trainer reads only
+    lengths dynamic: cosmos_framework_ext.compile_blocks). Off by default, so that a TOML written for upstream
+    (which sets ``[model.compile] enabled = true``) runs the eager reference; the 24 GB recipes turn it on
+    (proofs: tests/equivalence/test_compile_blocks.py, on the CPU and an H200). Upstream's trainer reads only
     ``[model.compile]``."""
 
 

@@ -263,7 +263,7 @@ def test_embedded_trainer_flex_equals_dense(tmp_path, monkeypatch, sample_datase
         monkeypatch.delenv(var, raising=False)
     out = {}
     for impl in ("dense", "flex"):
-        toml = small_toml(tmp_path, **{"[onecard]": f'[onecard]\nattention = "{impl}"'})
+        toml = small_toml(tmp_path, **{'attention      = "flex"': f'attention      = "{impl}"'})  # the recipe's line
         monkeypatch.setenv("OUTPUT_ROOT", str(tmp_path / impl))
         assert train.main(["--sft-toml", str(toml), "--max-iter", "1"]) == 0, capsys.readouterr().err
         assert f"attention {impl}" in capsys.readouterr().out
