@@ -34,7 +34,24 @@ import sys
 GiB = 1 << 30
 
 
+def _every_s(rank: str) -> float | None:
+    """``ONECARD_MEMCAP_EVERY_S`` as seconds (> 0), ``None`` when unset; a bad value exits 2 with one line."""
+    raw = os.environ.get("ONECARD_MEMCAP_EVERY_S", "").strip()
+    if not raw:
+        return None
+    try:
+        every = float(raw)
+    except ValueError:
+        every = -1.0
+    if not 0 < every < float("inf"):
+        print(f"onecard memcap[rank {rank}]: error: ONECARD_MEMCAP_EVERY_S={raw!r} must be a number of seconds > 0 "
+              "(e.g. 15), or unset", file=sys.stderr)
+        sys.exit(2)
+    return every
+
+
 def _cap_and_report(rank: str) -> None:
+    every = _every_s(rank)
     raw = os.environ.get("ONECARD_GPU_MEMORY_GIB", "").strip()
     import torch
 
@@ -95,13 +112,12 @@ def _cap_and_report(rank: str) -> None:
         except Exception as exc:  # noqa: BLE001 - never mask the run's own error
             print(f"onecard memcap[rank {rank}]: memory history not written: {exc!r}", file=sys.stderr, flush=True)
 
-    every = os.environ.get("ONECARD_MEMCAP_EVERY_S", "").strip()
-    if every:
+    if every is not None:
         import threading
 
         def running_peak() -> None:  # a run stopped by a time limit never reaches atexit: its log keeps these
             while True:
-                time.sleep(float(every))
+                time.sleep(every)
                 try:
                     alloc = torch.cuda.max_memory_allocated(device) / GiB
                     reserved = torch.cuda.max_memory_reserved(device) / GiB

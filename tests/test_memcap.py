@@ -1,0 +1,43 @@
+"""benchmarks/upstream/memcap.py, the torchrun worker entry of upstream runs: its input checks on the CPU.
+
+A bad ``ONECARD_MEMCAP_EVERY_S`` is one ``error:`` line and exit status 2 before anything runs; a good one (or
+none) runs the module as ``python -m`` would. ``ONECARD_GPU_MEMORY_GIB`` without a GPU is refused the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MEMCAP = Path(__file__).resolve().parents[1] / "benchmarks" / "upstream" / "memcap.py"
+
+
+def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    (tmp_path / "hello_memcap.py").write_text("print('module ran')\n")
+    e = {k: v for k, v in os.environ.items() if k not in ("ONECARD_MEMCAP_EVERY_S", "ONECARD_GPU_MEMORY_GIB")}
+    e.update(env, CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, str(MEMCAP), "-m", "hello_memcap"], cwd=tmp_path, env=e,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", "nan"])
+def test_bad_interval_is_one_error_line(tmp_path, value):
+    r = _run(tmp_path, ONECARD_MEMCAP_EVERY_S=value)
+    assert r.returncode == 2 and "module ran" not in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error: ONECARD_MEMCAP_EVERY_S" in lines[0] and "seconds > 0" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("env", [{}, {"ONECARD_MEMCAP_EVERY_S": "15"}])
+def test_module_runs(tmp_path, env):
+    r = _run(tmp_path, **env)
+    assert r.returncode == 0 and "module ran" in r.stdout, r.stderr
+
+
+def test_cap_without_a_gpu_is_refused(tmp_path):
+    r = _run(tmp_path, ONECARD_GPU_MEMORY_GIB="22.06")
+    assert r.returncode == 2 and "no CUDA device" in r.stderr and "module ran" not in r.stdout
