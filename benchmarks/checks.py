@@ -10,6 +10,7 @@ and before anything is written under ``--out``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -47,9 +48,39 @@ def at_least(flag: str, value: float | None, low: float, why: str = "") -> None:
 
 
 def positive(flag: str, value: float | None, unit: str = "") -> None:
-    """``value > 0`` (``None`` passes: the flag's default applies); else :class:`UserError`."""
-    if value is not None and not value > 0:  # `not >` also refuses NaN
-        raise UserError(f"{flag} {value:g}: must be a positive number{' of ' + unit if unit else ''}")
+    """``0 < value < inf`` (``None`` passes: the flag's default applies); else :class:`UserError`."""
+    if value is not None and not 0 < value < math.inf:  # also refuses NaN
+        raise UserError(f"{flag} {value:g}: must be a finite positive number{' of ' + unit if unit else ''}")
+
+
+def at_most_card(flag: str, gib: float | None) -> None:
+    """A card cap ``gib`` (GiB) no larger than GPU 0's memory; ``None`` or no GPU passes.
+
+    Raises:
+        UserError: the cap exceeds the card (checked before the first configuration runs, not when the capped
+            row starts).
+    """
+    import torch
+
+    if gib is None or not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(0).total_memory / (1 << 30)
+    if gib > total:
+        raise UserError(f"{flag} {gib:g}: larger than this card's {total:.2f} GiB; give a cap of at most that")
+
+
+def free_targets(flag: str, folder: str | os.PathLike, names: Iterable[str]) -> None:
+    """Each ``folder/name`` that the script will write is absent or a plain file (not a folder or a link), so
+    the write at the end cannot fail after the runs.
+
+    Raises:
+        UserError: names the path that is in the way.
+    """
+    for name in names:
+        path = Path(folder) / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise UserError(f"{flag} {folder}: {path} is in the way (a folder or a link where the result file goes); "
+                            "move it or choose another folder")
 
 
 def writable_dir(flag: str, path: str | os.PathLike) -> Path:

@@ -30,7 +30,8 @@ model FLOPs utilisation, the latent cache's pre-pass (s, hits, misses, bytes; **
 the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS and pinned bytes, and the
 change of s/sample against configuration 1. A configuration that runs out of memory is reported as such
 with the peak it reached. Writes ``edge_24gb.json`` and ``edge_24gb.md`` (and the ``--timelines``) into
-``--out`` once every row has run, atomically (both or neither). Bad arguments (an unknown or empty ``--only``,
+``--out`` once every row has run, atomically (both or neither); ``--smoke`` writes ``edge_24gb_smoke.*`` and
+``smoke_*`` timelines instead, so a smoke never replaces GPU results. Bad arguments (an unknown or empty ``--only``,
 a count or GiB/TFLOP/s value out of range, an ``--out`` that is a file) are one ``error:`` line, exit status 2,
 before the GPU check and any run (``benchmarks/checks.py``).
 
@@ -80,7 +81,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.checks import at_least, pick, positive, writable_dir, write_together  # noqa: E402
+from benchmarks.checks import at_least, at_most_card, free_targets, pick, positive, writable_dir, write_together  # noqa: E402
 from cosmos_framework_ext import packing, train  # noqa: E402
 from patches.core import trainer as skeleton  # noqa: E402
 from patches.core.errors import UserError, cli  # noqa: E402
@@ -368,11 +369,11 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (>= 2: 1 warm-up)")
     ap.add_argument("--grad-accum", type=int, default=8, help="grad_accum_iter (>= 8 on the GPU; default 8)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
-    ap.add_argument("--only", default=None, help="comma-separated config names to run (default: the five main ones)")
+    ap.add_argument("--only", default=None, help="comma-separated config names to run (default: the six main ones; --list names all)")
     ap.add_argument("--list", action="store_true", help="list the configuration names and exit")
-    ap.add_argument("--timelines", default="all levers",
+    ap.add_argument("--timelines", default=None,
                     help="comma-separated config names whose memory timeline (CSV + PNG) to keep in --out "
-                    "(\"\": none)")
+                    "(\"\": none; default: \"all levers\" when it runs)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the card's dense bf16 peak in TFLOP/s (default: 989 on an H100/H200)")
     ap.add_argument("--smoke", action="store_true",
@@ -380,22 +381,35 @@ def _main(argv: list[str] | None) -> int:
     args = ap.parse_args(argv)
     every = CONFIGS + OPTIONAL
     if args.list:
-        print("\n".join(c.name for c in every))
+        print("\n".join(c.name + ("  (optional: --only)" if c in OPTIONAL else "") for c in every))
         return 0
     # every check before the GPU check, the model build and any write under --out
     names = [c.name for c in every]
     only = pick("--only", args.only, names) if args.only is not None else []
-    timelines = pick("--timelines", args.timelines, names, allow_none=True)
+    timelines = pick("--timelines", args.timelines if args.timelines is not None else "all levers", names,
+                     allow_none=True)
     at_least("--steps", args.steps, 2, "1 warm-up + measured")
     at_least("--grad-accum", args.grad_accum, 1 if args.smoke else 8,
              "micro-batches per optimizer step" if args.smoke else "the GPU run; any >= 1 with --smoke")
     positive("--budget-gib", args.budget_gib, "GiB")
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
     writable_dir("--out", args.out)
+    stem = "edge_24gb_smoke" if args.smoke else "edge_24gb"  # a smoke never replaces the GPU results
+    free_targets("--out", args.out, [f"{stem}.json", f"{stem}.md"])
+    chosen = [c for c in every if c.name in only] if only else CONFIGS
+    idle = [t for t in timelines if t not in {c.name for c in chosen}]
+    if args.timelines is None:  # the default names a row that --only may leave out: keep what runs
+        timelines, idle = [t for t in timelines if t not in idle], []
+    if idle:
+        raise UserError(f"--timelines {','.join(idle)!r}: not among the configurations this run runs "
+                        f"({', '.join(c.name for c in chosen)}); add it to --only or drop it from --timelines")
+    if args.smoke:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the tiny preset on the CPU even on a GPU machine
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise UserError("this benchmark needs a CUDA GPU (or --smoke for the CPU smoke with the tiny preset)")
-    chosen = [c for c in every if c.name in only] if only else CONFIGS
+    if any(c.capped for c in chosen):
+        at_most_card("--budget-gib", args.budget_gib)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.cuda.get_device_name() if cuda else "cpu"
     peak, peak_note = peak_flops(device, args.peak_tflops)
@@ -417,9 +431,10 @@ def _main(argv: list[str] | None) -> int:
                 "steps": args.steps, "peak_tflops": None if peak is None else peak / 1e12, "peak_source": peak_note,
                 "pathway_params": flops_p, "rows": rows}
         md = markdown(rows, device, args.budget_gib, args.grad_accum, peak_note)
-        write_together({args.out / "edge_24gb.json": json.dumps(meta, indent=2) + "\n", args.out / "edge_24gb.md": md})
+        write_together({args.out / f"{stem}.json": json.dumps(meta, indent=2) + "\n", args.out / f"{stem}.md": md})
         for f in sorted((tmp / "timelines").glob("*")):
-            atomic_write(args.out / f.name, lambda p, f=f: shutil.copyfile(f, p))
+            name = f"smoke_{f.name}" if args.smoke else f.name
+            atomic_write(args.out / name, lambda p, f=f: shutil.copyfile(f, p))
     print(md)
     return 0
 

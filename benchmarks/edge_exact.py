@@ -45,7 +45,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.checks import at_least, pick, positive, writable_dir, write_together  # noqa: E402
+from benchmarks.checks import at_least, at_most_card, free_targets, pick, positive, writable_dir, write_together  # noqa: E402
 from cosmos_framework_ext import train  # noqa: E402
 from patches.core.errors import UserError, cli  # noqa: E402
 from patches.core.runtime import GiB  # noqa: E402
@@ -157,10 +157,18 @@ def _main(argv: list[str] | None) -> int:
     positive("--head-cap-gib", args.head_cap_gib, "GiB")
     positive("--seed-cap-gib", args.seed_cap_gib, "GiB")
     writable_dir("--out", args.out)
-    if not args.smoke and not torch.cuda.is_available():
-        raise UserError("this benchmark needs a CUDA GPU; pass --smoke for the CPU code-path check")
+    stem = "edge_exact_smoke" if args.smoke else "edge_exact"
+    free_targets("--out", args.out, [f"{stem}.json", f"{stem}.md"])
     if args.smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the tiny preset on the CPU even on a GPU machine
+    if not args.smoke and not torch.cuda.is_available():
+        raise UserError("this benchmark needs a CUDA GPU; pass --smoke for the CPU code-path check")
+    if not args.smoke:
+        used = {c[3] for c in CONFIGS if not only or c[0] in only}
+        if "head" in used:
+            at_most_card("--head-cap-gib", args.head_cap_gib)
+        if "seed" in used:
+            at_most_card("--seed-cap-gib", args.seed_cap_gib)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     caps = {"head": args.head_cap_gib, "seed": args.seed_cap_gib}
     rows: list[dict] = []
@@ -180,7 +188,6 @@ def _main(argv: list[str] | None) -> int:
             if torch.cuda.is_available() and not args.smoke:
                 torch.cuda.empty_cache()
     device = "cpu (smoke)" if args.smoke else torch.cuda.get_device_name()
-    stem = "edge_exact_smoke" if args.smoke else "edge_exact"
     md = markdown(rows, device, args)
     write_together({args.out / f"{stem}.json": json.dumps({"device": device, "rows": rows}, indent=2) + "\n",
                     args.out / f"{stem}.md": md})

@@ -78,6 +78,25 @@ def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size
     return sigmas, noise
 
 
+def _sample_interval() -> float:
+    """``ONECARD_SAMPLE_S``: the memory sampler's interval in seconds (default 0.5; at least 0.01).
+
+    Raises:
+        UserError: not a number, below 0.01 s (a flood of samples), or not finite.
+    """
+    raw = os.environ.get("ONECARD_SAMPLE_S", "").strip()
+    if not raw:
+        return 0.5
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0.01 <= value < float("inf"):
+        raise UserError(f"ONECARD_SAMPLE_S={raw!r} must be the memory sampler's interval in seconds, at least 0.01 "
+                        "(default 0.5): fix it or unset it")
+    return value
+
+
 def _resolve_device(local_rank: int) -> torch.device:
     """The rank's GPU, or the CPU; ``ONECARD_GPU_MEMORY_GIB`` caps the GPU (simulates a smaller card).
 
@@ -335,6 +354,7 @@ class CosmosSFT(skeleton.Recipe):
         self.ema_lever = self.flags[flagmod.EMA_CPU_SUBSET.name]
         self.vae_lever = self.flags[flagmod.VAE_CPU_OFFLOAD.name]
         self.cache_lever = self.flags[flagmod.LATENT_CACHE.name]
+        self.sample_s = _sample_interval()
         self.rank, self.world, local_rank = rank_world()
         self.device = _resolve_device(local_rank)
         if self.args.validate_only:  # one process checks for the ranks the launcher's torchrun will start
@@ -713,7 +733,7 @@ class CosmosSFT(skeleton.Recipe):
                               load=cached if self.latents is not None else None)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.mem = MemorySampler(self.device, interval_s=float(os.environ.get("ONECARD_SAMPLE_S") or 0.5)).start()
+        self.mem = MemorySampler(self.device, interval_s=self.sample_s).start()
         self._stack.callback(self.mem.stop)
         self.peak_rss = host_rss()
         self.micro_times: list[float] = []
@@ -806,6 +826,9 @@ class CosmosSFT(skeleton.Recipe):
         timeline = self.mem.write(self.run_dir) if self.main_rank else {}
         cuda = self.device.type == "cuda"
         step_times = [r.seconds for r in results]
+        mem_peaks = self.mem.peaks()
+        # host RSS read after each step misses the peak inside it; the sampler's 0.5 s samples catch most of it
+        peak_rss = max(self.peak_rss, mem_peaks.get("host_rss_bytes") or 0)
         return {
             "preset": self.preset.name,
             "device": torch.cuda.get_device_name(self.device) if cuda else "cpu",
@@ -832,11 +855,11 @@ class CosmosSFT(skeleton.Recipe):
             "ledger": summary_line(self.ledger),
             "peak_gpu_gib": torch.cuda.max_memory_allocated(self.device) / GiB if cuda else 0.0,
             "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(self.device) / GiB if cuda else 0.0,
-            "peak_host_rss_gib": self.peak_rss / GiB,
+            "peak_host_rss_gib": peak_rss / GiB,
             "pinned_bytes": pinned_bytes_total(),
             "checkpoint": str(checkpoint) if checkpoint else None,
             "flags": self.flags,
-            "memory": self.mem.peaks(),
+            "memory": mem_peaks,
             "timeline": {k: str(v) for k, v in timeline.items()},
             "init": self.init_note,
             "attention": self.cfg.onecard.attention,

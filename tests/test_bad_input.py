@@ -349,3 +349,13 @@ def test_check_refuses_a_root_that_is_not_a_checkout(tmp_path, var):
 def test_check_applies_the_miles_table_of_a_checkout():
     r = _run([sys.executable, "-m", "patches", "check"], MILES_DIFFUSION_ROOT=str(FAKE), MILES_ONECARD_FSDP="1")
     assert r.returncode == 0 and "apply_fsdp2" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("value", ["banana", "0", "-1", "inf"])
+def test_sampler_interval_is_checked_before_anything_runs(tmp_path, value):
+    """``ONECARD_SAMPLE_S`` (the memory sampler's interval): one error at validation, not a traceback in training."""
+    out = tmp_path / "out"
+    _one_error(_run([sys.executable, "-m", "cosmos_framework_ext.train", "--sft-toml",
+                     str(REPO / "toml" / "vision_sft_edge_24gb.toml"), "--validate-only"],
+                    ONECARD_SAMPLE_S=value, OUTPUT_ROOT=str(out)), "ONECARD_SAMPLE_S")
+    assert not out.exists() or not any(out.rglob("*.pt"))

@@ -58,6 +58,9 @@ EDGE_24GB_BAD = [
     (["--smoke", "--peak-tflops", "0"], "--peak-tflops"),
     (["--smoke", "--budget-gib", "-1"], "--budget-gib"),
     (["--smoke", "--budget-gib", "nan"], "--budget-gib"),
+    (["--smoke", "--budget-gib", "inf"], "--budget-gib"),
+    (["--smoke", "--peak-tflops", "inf"], "--peak-tflops"),  # an MFU of 0 and Infinity in the JSON
+    (["--smoke", "--only", "stock (uncapped card)", "--timelines", "all levers"], "--timelines"),  # would keep nothing
     (["--smoke", "--steps", "1"], "--steps"),
     (["--steps", "1"], "--steps"),
     (["--grad-accum", "4"], "--grad-accum"),
@@ -78,6 +81,7 @@ EDGE_EXACT_BAD = [
     (["--smoke", "--grad-accum", "0"], "--grad-accum"),
     (["--smoke", "--head-cap-gib", "0"], "--head-cap-gib"),
     (["--smoke", "--seed-cap-gib", "-2"], "--seed-cap-gib"),
+    (["--smoke", "--head-cap-gib", "inf"], "--head-cap-gib"),
 ]
 
 
@@ -230,3 +234,14 @@ def test_edge_exact_smoke_subset_writes_both_files(tmp_path, sample_dataset):
     assert [r["config"] for r in rows] == ["HEAD dtypes, reference"] and rows[0]["status"] == "ok"
     assert "| HEAD dtypes, reference |" in (tmp_path / "out" / "edge_exact_smoke.md").read_text()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["edge_exact_smoke.json", "edge_exact_smoke.md"]
+
+
+@pytest.mark.parametrize("name,stem", [("edge_24gb", "edge_24gb_smoke"), ("edge_exact", "edge_exact_smoke")])
+def test_a_folder_where_a_result_goes_is_refused_before_any_run(scripts, tmp_path, capfd, name, stem):
+    """A folder named like the result file would make the final write fail after every run: refused up front."""
+    out = tmp_path / "out"
+    (out / f"{stem}.json").mkdir(parents=True)
+    rc = scripts[name].main(["--smoke", "--out", str(out)])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: --out") and "in the way" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == [f"{stem}.json"]

@@ -44,12 +44,12 @@ def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, sample_dataset
         monkeypatch.delenv(var, raising=False)
     only = "stock (uncapped card),+ latent cache"
     assert bench.main(["--smoke", "--steps", "2", "--grad-accum", "1", "--only", only, "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "edge_24gb.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "edge_24gb_smoke.json").read_text())["rows"]  # a smoke never writes edge_24gb.json
     assert [r["status"] for r in rows] == ["ok", "ok"]
     stock, cached = rows
     assert stock["prepass"] is None and cached["prepass"]["misses"] == cached["prepass"]["entries"] > 0
     assert cached["prepass_s"] > 0 and all(r["s_per_sample"] > 0 and r["model_tflop_per_s"] > 0 for r in rows)
-    md = (tmp_path / "edge_24gb.md").read_text()
+    md = (tmp_path / "edge_24gb_smoke.md").read_text()
     assert "| + latent cache | ok |" in md and "s/sample" in md and "MFU" in md
     assert bench.main(["--smoke", "--grad-accum", "1", "--only", "nonesuch", "--out", str(tmp_path)]) == 2
     assert bench.main(["--grad-accum", "4", "--smoke", "--steps", "1", "--out", str(tmp_path)]) == 2

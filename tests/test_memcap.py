@@ -24,12 +24,12 @@ def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", "nan"])
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "inf", "nan", "1e-300"])
 def test_bad_interval_is_one_error_line(tmp_path, value):
     r = _run(tmp_path, ONECARD_MEMCAP_EVERY_S=value)
     assert r.returncode == 2 and "module ran" not in r.stdout
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "error: ONECARD_MEMCAP_EVERY_S" in lines[0] and "seconds > 0" in lines[0], r.stderr
+    assert len(lines) == 1 and "error: ONECARD_MEMCAP_EVERY_S" in lines[0] and "seconds >= 1" in lines[0], r.stderr
 
 
 @pytest.mark.parametrize("env", [{}, {"ONECARD_MEMCAP_EVERY_S": "15"}])
@@ -41,3 +41,10 @@ def test_module_runs(tmp_path, env):
 def test_cap_without_a_gpu_is_refused(tmp_path):
     r = _run(tmp_path, ONECARD_GPU_MEMORY_GIB="22.06")
     assert r.returncode == 2 and "no CUDA device" in r.stderr and "module ran" not in r.stdout
+
+
+def test_unknown_module_is_one_error_line(tmp_path):
+    e = {k: v for k, v in os.environ.items() if k != "ONECARD_MEMCAP_EVERY_S"}
+    r = subprocess.run([sys.executable, str(MEMCAP), "-m", "no_such_module_here"], cwd=tmp_path, env=e,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no module named" in r.stderr, r.stderr

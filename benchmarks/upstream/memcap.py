@@ -32,6 +32,8 @@ import runpy
 import sys
 
 GiB = 1 << 30
+HERE = os.path.dirname(os.path.abspath(__file__))
+"""This script's folder (memtimeline.py's), taken at import: ``__file__`` may be gone when ``atexit`` runs."""
 
 
 def _every_s(rank: str) -> float | None:
@@ -43,8 +45,8 @@ def _every_s(rank: str) -> float | None:
         every = float(raw)
     except ValueError:
         every = -1.0
-    if not 0 < every < float("inf"):
-        print(f"onecard memcap[rank {rank}]: error: ONECARD_MEMCAP_EVERY_S={raw!r} must be a number of seconds > 0 "
+    if not 1 <= every < float("inf"):
+        print(f"onecard memcap[rank {rank}]: error: ONECARD_MEMCAP_EVERY_S={raw!r} must be a number of seconds >= 1 "
               "(e.g. 15), or unset", file=sys.stderr)
         sys.exit(2)
     return every
@@ -57,7 +59,8 @@ def _cap_and_report(rank: str) -> None:
 
     if not torch.cuda.is_available():
         if raw:
-            print(f"onecard memcap[rank {rank}]: error: ONECARD_GPU_MEMORY_GIB={raw} but no CUDA device", file=sys.stderr)
+            print(f"onecard memcap[rank {rank}]: error: ONECARD_GPU_MEMORY_GIB={raw!r} is set but there is no CUDA "
+                  "device: unset it, or run on a GPU", file=sys.stderr)
             sys.exit(2)
         return
     device = int(os.environ.get("LOCAL_RANK", "0") or 0)
@@ -86,16 +89,21 @@ def _cap_and_report(rank: str) -> None:
               f"{reserved:.2f} GiB{cap}", file=sys.stderr, flush=True)
 
     history = os.environ.get("ONECARD_MEMORY_HISTORY", "").strip()
+    max_entries = os.environ.get("ONECARD_MEMORY_HISTORY_MAX", "2000000").strip()
+    if history and not (max_entries.isdigit() and int(max_entries) > 0):
+        print(f"onecard memcap[rank {rank}]: error: ONECARD_MEMORY_HISTORY_MAX={max_entries!r} must be a whole number "
+              "of events > 0 (default 2000000)", file=sys.stderr)
+        sys.exit(2)
     if history:
         torch.cuda.memory._record_memory_history(
-            max_entries=int(os.environ.get("ONECARD_MEMORY_HISTORY_MAX", "2000000")), stacks="python")
+            max_entries=int(max_entries), stacks="python")
 
     def dump_history() -> None:
         try:
             import json
             import time
 
-            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            sys.path.insert(0, HERE)
             from memtimeline import analyse
 
             t = time.perf_counter()
@@ -156,6 +164,19 @@ def main(argv: list[str]) -> None:
         print("usage: memcap.py [-u] -m MODULE [ARGS...]", file=sys.stderr)
         sys.exit(2)
     module, rest = args[1], args[2:]
+    import importlib.util
+
+    sys.path.insert(0, os.getcwd())
+    try:
+        # the top-level name only: a dotted name's spec would import its parent packages before the cap is set
+        found = importlib.util.find_spec(module.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        found = False
+    sys.path.pop(0)
+    if not found:
+        print(f"onecard memcap: error: no module named {module!r} from {os.getcwd()}: run from the folder that "
+              "holds it (torchrun's working directory) or fix the name", file=sys.stderr)
+        sys.exit(2)
     _cap_and_report(os.environ.get("RANK", "0"))
     _wandb_compat()
     sys.path[0] = os.getcwd()
