@@ -397,9 +397,10 @@ def _main(argv: list[str] | None) -> int:
     stem = "edge_24gb_smoke" if args.smoke else "edge_24gb"  # a smoke never replaces the GPU results
     free_targets("--out", args.out, [f"{stem}.json", f"{stem}.md"])
     chosen = [c for c in every if c.name in only] if only else CONFIGS
-    idle = [t for t in timelines if t not in {c.name for c in chosen}]
+    ran = {c.name for c in chosen}
     if args.timelines is None:  # the default names a row that --only may leave out: keep what runs
-        timelines, idle = [t for t in timelines if t not in idle], []
+        timelines = [t for t in timelines if t in ran]
+    idle = [t for t in timelines if t not in ran]
     if idle:
         raise UserError(f"--timelines {','.join(idle)!r}: not among the configurations this run runs "
                         f"({', '.join(c.name for c in chosen)}); add it to --only or drop it from --timelines")

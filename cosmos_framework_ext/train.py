@@ -78,25 +78,6 @@ def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size
     return sigmas, noise
 
 
-def _sample_interval() -> float:
-    """``ONECARD_SAMPLE_S``: the memory sampler's interval in seconds (default 0.5; at least 0.01).
-
-    Raises:
-        UserError: not a number, below 0.01 s (a flood of samples), or not finite.
-    """
-    raw = os.environ.get("ONECARD_SAMPLE_S", "").strip()
-    if not raw:
-        return 0.5
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0.01 <= value < float("inf"):
-        raise UserError(f"ONECARD_SAMPLE_S={raw!r} must be the memory sampler's interval in seconds, at least 0.01 "
-                        "(default 0.5): fix it or unset it")
-    return value
-
-
 def _resolve_device(local_rank: int) -> torch.device:
     """The rank's GPU, or the CPU; ``ONECARD_GPU_MEMORY_GIB`` caps the GPU (simulates a smaller card).
 
@@ -354,7 +335,7 @@ class CosmosSFT(skeleton.Recipe):
         self.ema_lever = self.flags[flagmod.EMA_CPU_SUBSET.name]
         self.vae_lever = self.flags[flagmod.VAE_CPU_OFFLOAD.name]
         self.cache_lever = self.flags[flagmod.LATENT_CACHE.name]
-        self.sample_s = _sample_interval()
+        self.sample_s = flagmod.sample_interval_s()
         self.rank, self.world, local_rank = rank_world()
         self.device = _resolve_device(local_rank)
         if self.args.validate_only:  # one process checks for the ranks the launcher's torchrun will start

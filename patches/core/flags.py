@@ -180,23 +180,45 @@ MILES_GPU_BUDGET_GIB = "MILES_GPU_BUDGET_GIB"
 """Environment variable: the GPU budget in GiB that ``MILES_RESIDENT_BLOCKS=auto`` fills (default: the card)."""
 
 
+def env_number(name: str, above: float, fix: str, environ: dict[str, str] | None = None,
+               at_least: bool = False) -> float | None:
+    """``$name`` as a finite float ``> above`` (``>= above`` with ``at_least``), or ``None`` when unset or empty.
+
+    Raises:
+        FlagError: not a number, ``nan``/``inf``, or out of range: one line naming the variable, its value and
+            ``fix`` (what to set instead).
+    """
+    raw = (environ if environ is not None else os.environ).get(name, "")
+    if not raw.strip():
+        return None
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and (value >= above if at_least else value > above)):
+        raise FlagError(f"{name}={raw!r}: {fix}")
+    return value
+
+
 def miles_gpu_budget_gib(environ: dict[str, str] | None = None) -> float | None:
     """``$MILES_GPU_BUDGET_GIB`` in GiB, or ``None`` when unset or empty.
 
     Raises:
         FlagError: not a finite number > 0 (``abc``, ``0``, ``-3``, ``nan``, ``inf``), naming the variable.
     """
-    raw = (environ if environ is not None else os.environ).get(MILES_GPU_BUDGET_GIB, "")
-    if not raw.strip():
-        return None
-    try:
-        gib = float(raw.strip())
-    except ValueError:
-        gib = float("nan")
-    if not (math.isfinite(gib) and gib > 0):
-        raise FlagError(f"{MILES_GPU_BUDGET_GIB}={raw!r} is not a GPU budget: set a finite number of GiB > 0 "
-                        f"(e.g. 80), or unset it for the card's total memory")
-    return gib
+    return env_number(MILES_GPU_BUDGET_GIB, 0.0, "is not a GPU budget: set a finite number of GiB > 0 (e.g. 80), "
+                      "or unset it for the card's total memory", environ)
+
+
+def sample_interval_s(environ: dict[str, str] | None = None) -> float:
+    """``$ONECARD_SAMPLE_S``: the memory sampler's interval in seconds (default 0.5, at least 0.01).
+
+    Raises:
+        FlagError: not a finite number >= 0.01 (a smaller one floods the timeline), naming the variable.
+    """
+    value = env_number("ONECARD_SAMPLE_S", 0.01, "must be the memory sampler's interval in seconds, at least "
+                       "0.01 (default 0.5): fix it or unset it", environ, at_least=True)
+    return 0.5 if value is None else value
 
 
 MILES_FLAGS: tuple[Flag | CountFlag, ...] = (MILES_ONECARD_FSDP, MILES_RESIDENT_BLOCKS)
