@@ -683,6 +683,7 @@ class H3SFTRecipe(Recipe):
     # ---- summary
     def summary(self, start: int, results: list[StepResult], checkpoint: Path | None) -> dict[str, Any]:
         from patches.core.host_arena import pinned_bytes_total
+        from patches.core.runtime import proc_status_kib
 
         cfg = self.cfg
         cuda = self.device.type == "cuda"
@@ -699,7 +700,10 @@ class H3SFTRecipe(Recipe):
             "s_per_step_median": median(self.step_times),
             "peak_gpu_gib": self._peak_gpu_gib(),
             "host_rss_gib": {"before_model": self.rss_before / GiB, "after_init": self.rss_init / GiB,
-                             "peak_through_init": self.rss_peak_init / GiB, "peak_steady": self.peak_rss / GiB},
+                             "peak_through_init": self.rss_peak_init / GiB, "peak_steady": self.peak_rss / GiB,
+                             # the kernel's high-water mark of this process (VmHWM): every moment up to here,
+                             # init, steps and the last checkpoint save included
+                             "vmhwm": proc_status_kib(("VmHWM",))["VmHWM"] * 1024 / GiB},
             "base_init": self.init_report.source,
             "base_init_s": self.init_report.seconds,
             "pinned_bytes_fsdp": _pinned_fsdp_bytes(self.model) if cfg.fsdp_cpu_offload else 0,

@@ -56,6 +56,9 @@ def test_main_job_trains_two_steps_with_the_8_gpu_schedule(first_run):
     assert s["optimizer_steps"] == 2 and s["global_batch"] == 8 and s["micro_batches_per_step"] == 8
     assert s["nonfinite_skipped_steps"] == 0 and s["nonfinite_skips"] == []  # counted (miles_ext.finite_step)
     assert s["loss_sigma_buckets"] and all(k.startswith("loss_sigma_") for k in s["loss_sigma_buckets"])
+    # the process's high-water mark, read after the last checkpoint save: at least every RSS sampled before it
+    rss = s["host_rss_gib"]
+    assert rss["vmhwm"] >= max(rss["after_init"], rss["peak_through_init"], rss["peak_steady"]) > 0
     assert s["data"]["cache_misses"] == s["data"]["rows"] > 0
     assert Path(s["checkpoint"]).is_file() and Path(s["checkpoint"]) == checkpoint(tmp / "out", 1)
     assert checkpoint(tmp / "out", 1).name == "iter_000000001.pt"
