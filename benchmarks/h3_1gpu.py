@@ -108,6 +108,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     import torch
 
     from miles_ext import fast_init
+    from miles_ext.h2d_prefetch import attached
     from miles_ext.lora import lora_parameters
     from miles_ext.pinned import locked_bytes, pinned_report
     from patches.core.runtime import proc_status_kib
@@ -162,7 +163,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
                                       master_dtype="bf16" if cuda else "fp32", cpu_offload=offload,
                                       source=fast_init.RandomInit(0, draw_device=None if cuda else "cpu"),
                                       plan_resident=plan_resident, mesh=mesh,
-                                      param_dtype=torch.bfloat16 if cuda else None)
+                                      param_dtype=torch.bfloat16 if cuda else None, h2d_prefetch=not a.sync_h2d)
     model, resident = built.model, built.resident
     if cuda and not offload:
         model.to(device)
@@ -202,7 +203,11 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "init_path": "fast_init.build_lora_fsdp", "base_init": built.report.source,
             "base_tensors": built.report.tensors, "base_bytes": built.report.bytes,
             "meta_params_before_sharding": built.meta_params_before_sharding,
-            "residency_plan": plan_terms.get("line"), "optimizer_device": opt_dev, "ok": True}
+            "residency_plan": plan_terms.get("line"), "optimizer_device": opt_dev,
+            "h2d": "sync" if a.sync_h2d or not offload else "prefetch",
+            "h2d_prefetch": getattr(model, "_onecard_h2d_prefetch", None),
+            "h2d_staged": sum(p.staged for p in attached(model)), "h2d_dropped": sum(p.dropped for p in attached(model)),
+            "ok": True}
 
 
 def child(mode: str, clip: str, argv: list[str], timeout: float) -> dict:
@@ -230,7 +235,8 @@ def table(results: list[dict]) -> str:
         if not r.get("ok"):
             rows.append(f"| {r['clip']} | {r['mode']} | | failed: {r.get('error', '')[:80]} | | | | | | |")
             continue
-        rows.append(f"| {r['clip']} | {r['mode']} | {r['resident_blocks']} | {r['s_per_step']:.2f} | "
+        mode = r["mode"] + (" (sync H2D)" if r.get("h2d") == "sync" and r["mode"] != "resident" else "")
+        rows.append(f"| {r['clip']} | {mode} | {r['resident_blocks']} | {r['s_per_step']:.2f} | "
                     f"{r['gpu_peak_gib']:.1f} | {r['host_peak_init_gib']:.1f} / {r['host_steady_gib']:.1f} / "
                     f"{r['host_peak_gib']:.1f} | {r['pinned_requested_bytes'] / 1e9:.2f} | "
                     f"{r['pinned_locked_bytes'] / 1e9:.2f} | {r['init_s']:.0f} ({r['init_meta_shard_s']:.0f} + "
@@ -314,6 +320,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--out", default=None, help=f"results folder (default {HERE / 'results'}; with "
                     f"--print-commands the parent of one folder per command, default {RUNS_DIR})")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny preset, one tiny clip, every mode")
+    ap.add_argument("--sync-h2d", action="store_true",
+                    help="offload/partial: FSDP2's own host-to-device copy on the compute stream (no side-stream "
+                         "prefetch, miles_ext.h2d_prefetch): the stock-torch baseline of the same mode")
     ap.add_argument("--print-commands", action="store_true",
                     help=f"print one GPU command per (clip, mode), each under {COMMAND_LIMIT_S} s, and the --merge")
     ap.add_argument("--merge", metavar="DIR", help="combine DIR/*/h3_1gpu.json into DIR/h3_1gpu.json + .md")
@@ -359,6 +368,8 @@ def _main(argv: list[str] | None) -> int:
                    f"--micro-batches={a.micro_batches}", f"--lora-rank={a.lora_rank}"]
     if a.gpu_budget_gib:
         passthrough.append(f"--gpu-budget-gib={a.gpu_budget_gib}")
+    if a.sync_h2d:
+        passthrough.append("--sync-h2d")
     if a.smoke:  # the tiny model fits any budget: stream 3 of its 4 blocks so that partial residency streams
         passthrough = [x for x in passthrough if not x.startswith("--resident-blocks")]
         passthrough += ["--smoke", "--resident-blocks=1"]

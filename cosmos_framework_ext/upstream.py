@@ -190,6 +190,50 @@ def patched_wrapper_load_state_dict(original: Callable[..., Any]) -> Callable[..
     return load_state_dict
 
 
+def _group_moves_host_tensors() -> bool:
+    """Whether the default process group has a host backend (gloo or MPI), so a CPU tensor can be broadcast."""
+    backend = str(torch.distributed.get_backend()).lower()
+    return "gloo" in backend or "mpi" in backend
+
+
+def patched_broadcast_tensor_leaf(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``cosmos_framework.checkpoint.dcp._broadcast_tensor_leaf`` that also takes the host EMA's tensors.
+
+    On resume with ``checkpoint.dcp_load_dedup`` (upstream's default at ed8287f and 5eee9ed), ``DistributedCheckpointer
+    .load`` broadcasts every tensor of the model state dict from its one reader after ``dcp.load``. With
+    ``COSMOS_EMA_CPU_SUBSET`` the ``net_ema.*`` entries (:meth:`HostEmaWorker.net_ema_entries`) are fp32 host
+    tensors, and a CUDA-only process group (NCCL) cannot broadcast them: ``RuntimeError: No backend type
+    associated with device type cpu`` (measured on the H200 at 5eee9ed, EMAVAL resume). So, for a host leaf under a
+    group with no host backend:
+
+    - world size 1: nothing to do (the one rank read every leaf itself; upstream's broadcast is a copy onto itself);
+    - otherwise: the leaf goes through the current CUDA device (a device copy is broadcast as upstream does it, with
+      the same mesh and placements for a DTensor, then copied back), so every rank ends with the reader's values.
+
+    Device leaves, and host leaves under a group with a host backend, go to upstream's function unchanged.
+    """
+
+    def _broadcast_tensor_leaf(value):
+        dist = torch.distributed
+        local = to_local(value)
+        if local.device.type != "cpu" or not dist.is_initialized() or _group_moves_host_tensors():
+            return original(value)
+        if dist.get_world_size() == 1:
+            return None
+        staged = local.to(torch.device("cuda", torch.cuda.current_device()))
+        if hasattr(value, "device_mesh"):
+            from torch.distributed.tensor import DTensor
+
+            original(DTensor.from_local(staged, value.device_mesh, value.placements, run_check=False,
+                                        shape=value.shape, stride=value.stride()))
+        else:
+            original(staged)
+        local.copy_(staged)
+        return None
+
+    return _broadcast_tensor_leaf
+
+
 def patched_set_up_tokenizers(original: Callable[..., Any]) -> Callable[..., Any]:
     def set_up_tokenizers(self):
         result = original(self)

@@ -156,6 +156,7 @@ def apply_fsdp2(
     exact_pin: bool = False,
     prefetch: int = 1,
     no_split_modules: Iterable[str] | None = None,
+    h2d_prefetch: bool = True,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2, in place: adapter units, then one unit per ``_no_split_modules`` block, then
     the root. Returns ``model``. A process group must be initialised (``mesh=None`` uses the default one).
@@ -185,6 +186,11 @@ def apply_fsdp2(
         prefetch: offloaded blocks gathered ahead of the running block in forward (with ``resident``).
         no_split_modules: class names of the blocks to wrap (default: ``model._no_split_modules``; upstream passes
             its ``parallel_plan.no_split_modules``).
+        h2d_prefetch: under ``cpu_offload``, every offloaded block gathers the next ``prefetch`` ones ahead (as
+            ``resident`` does) and each eligible unit gets a :class:`miles_ext.h2d_prefetch.H2DPrefetch`, so the
+            host-to-device copies run on a side stream one block ahead (FSDP2 at one rank copies on the compute
+            stream at use; values are bit-identical either way). Ineligible units (a CPU mesh, world size > 1)
+            are left as they are; the report is ``model._onecard_h2d_prefetch``.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -228,14 +234,18 @@ def apply_fsdp2(
             _gather_with_block(block, adapters[0])
         fully_shard(block, mp_policy=base_mp, **(on_device if keep is not None and i in keep else common))
     fully_shard(model, mp_policy=base_mp, **(on_device if keep is not None else common))
-    if keep is not None:
+    if keep is not None or (offload is not None and h2d_prefetch):
         from miles_ext.residency import wire_prefetch
 
-        wire_prefetch(blocks, [i for i in range(len(blocks)) if i not in keep], depth=prefetch)
+        wire_prefetch(blocks, [i for i in range(len(blocks)) if keep is None or i not in keep], depth=prefetch)
     if exact_pin and offload is not None:
         from miles_ext.pinned import pin_offloaded_shards
 
         model._onecard_pinned_report = pin_offloaded_shards(model, pin=pin_memory)
+    if offload is not None and h2d_prefetch:
+        from miles_ext.h2d_prefetch import attach
+
+        model._onecard_h2d_prefetch = attach(model)
     return model
 
 

@@ -109,6 +109,9 @@ class H3SFTConfig:
     """Storage dtype of the frozen base: fp32 or bf16."""
     fsdp_cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: sharded params, grads and optimizer state on the host."""
+    fsdp_sync_h2d: bool = False
+    """With --fsdp-cpu-offload: leave FSDP2's own host-to-device copy on the compute stream (torch at one rank does
+    not prefetch it) instead of miles_ext.h2d_prefetch's side-stream copy one block ahead; same values, slower."""
     base_checkpoint_path: str = ""
     """BASE_CHECKPOINT_PATH: a diffusers MiniMaxH3Transformer3DModel safetensors checkpoint (its folder, or a pipeline
     folder with transformer/) whose tensors are streamed one at a time into their final storage; default: random init,
@@ -523,7 +526,7 @@ class H3SFTRecipe(Recipe):
             self.preset, seed=cfg.seed, lora=dict(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                                   target_modules=self.target_modules),
             master_dtype=self.master, cpu_offload=cfg.fsdp_cpu_offload, source=source,
-            plan_resident=self._plan_residency)
+            plan_resident=self._plan_residency, h2d_prefetch=not cfg.fsdp_sync_h2d)
         model, self.init_report = built.model, built.report
         self.rss_peak_init = proc_status_kib(("VmHWM",))["VmHWM"] * 1024  # the process's peak RSS so far
         if not cfg.fsdp_cpu_offload and self.device.type == "cuda":
@@ -566,6 +569,8 @@ class H3SFTRecipe(Recipe):
               f"{self.init_report.seconds:.1f} s), LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha}: {len(self.lora)} tensors, {n_lora:,} "
               f"params fp32; master {cfg.fsdp_master_dtype}, cpu offload {cfg.fsdp_cpu_offload}"
               + (f" with {self.resident_count} blocks resident" if self.resident_count is not None else "")
+              + (f", side-stream H2D prefetch on {hp['units']} units"
+                 if (hp := getattr(self.model, "_onecard_h2d_prefetch", None)) and hp["units"] else "")
               + f"; init {self.init_s:.0f} s, host RSS {self.rss_init / GiB:.1f} GiB", flush=True)
 
     # ---- checkpoints
@@ -709,6 +714,7 @@ class H3SFTRecipe(Recipe):
             "pinned_bytes_fsdp": _pinned_fsdp_bytes(self.model) if cfg.fsdp_cpu_offload else 0,
             "pinned_bytes_onecard": pinned_bytes_total(),
             "pinned_fsdp_requested_vs_locked": _pinned_vs_locked(self.model),
+            "h2d_prefetch": getattr(self.model, "_onecard_h2d_prefetch", None),
             "fsdp_resident_blocks": self.resident_count,
             "residency_plan_bytes": dict(self.resident_plan.terms) if self.resident_plan else None,
             "optimizer_device": to_local(next(iter(self.lora.values()))).device.type,

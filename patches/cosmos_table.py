@@ -30,6 +30,8 @@ PATCHES = [
     Patch("ema.checkpoint_save", EMA_CPU_SUBSET, f"{_DCP}.state_dict", (("self",),), f"{_IMPL}:patched_wrapper_state_dict"),
     Patch("ema.checkpoint_load", EMA_CPU_SUBSET, f"{_DCP}.load_state_dict", (("self", "state_dict"),),
           f"{_IMPL}:patched_wrapper_load_state_dict"),
+    Patch("ema.checkpoint_broadcast", EMA_CPU_SUBSET, "cosmos_framework.checkpoint.dcp:_broadcast_tensor_leaf",
+          (("value",),), f"{_IMPL}:patched_broadcast_tensor_leaf"),
     Patch("vae.set_up_tokenizers", VAE_CPU_OFFLOAD, f"{_MODEL}.set_up_tokenizers", (("self",),),
           f"{_IMPL}:patched_set_up_tokenizers"),
     Patch("vae.get_data_and_condition", VAE_CPU_OFFLOAD, f"{_MODEL}.get_data_and_condition",

@@ -76,6 +76,7 @@ def _write_checkout(root: Path, frontend: str = FRONTEND_SOURCE) -> None:
         "    def get_data_and_condition(self, data_batch, iteration, vision_condition_indexes): ...\n"
         "    def encode(self, state): ...\n    def decode(self, latent): ...\n")
     (cf / "checkpoint" / "dcp.py").write_text(
+        "def _broadcast_tensor_leaf(value): ...\n"
         "class ModelWrapper:\n    def state_dict(self): ...\n    def load_state_dict(self, state_dict): ...\n")
     (cf / "utils" / "generator" / "optimizer.py").write_text(
         "def _optimizer_cls(params, optimizer_type, **optimizer_kwargs): ...\n")

@@ -146,7 +146,8 @@ def _fake_checkout(root, with_methods: bool):
         "BACKEND_MAP = {}\n"
         "def choose_backend(query_shape, key_shape, value_shape, dtype, device, requires_grad, is_causal,\n"
         "                   causal_type, is_varlen, deterministic, backend, raise_error): ...\n")
-    (ckpt / "dcp.py").write_text("class ModelWrapper:\n    def state_dict(self): ...\n"
+    (ckpt / "dcp.py").write_text("def _broadcast_tensor_leaf(value): ...\n"
+                                 "class ModelWrapper:\n    def state_dict(self): ...\n"
                                  "    def load_state_dict(self, state_dict): ...\n")
 
 

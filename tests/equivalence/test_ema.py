@@ -469,3 +469,39 @@ def test_slow_copy_gated_by_its_event_is_still_exact():
 )
 def test_planted_bug_breaks_the_proof(bug):
     assert not trainable_equal(*run_ab(steps=8, **bug))
+
+
+def test_resume_broadcast_takes_host_ema_leaves(monkeypatch):
+    """Resume with ``dcp_load_dedup``: upstream broadcasts every loaded tensor over the world group. The host EMA's
+    ``net_ema.*`` leaves are CPU tensors, which a CUDA-only (NCCL) group cannot move (the H200 resume at 5eee9ed
+    failed so). The patched leaf broadcast skips them at world size 1, leaves them to upstream under a host
+    backend, and hands device leaves to upstream unchanged. Planted: upstream's own function on the same leaf
+    raises as it did on the GPU."""
+    import torch.distributed as dist
+
+    from cosmos_framework_ext.upstream import patched_broadcast_tensor_leaf
+
+    calls = []
+
+    def upstream_leaf(value):  # stand-in with upstream's failure: an NCCL-only group and a host tensor
+        if value.device.type == "cpu" and "gloo" not in backend[0]:
+            raise RuntimeError("No backend type associated with device type cpu")
+        calls.append(value)
+
+    backend = ["nccl"]
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend[0])
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    leaf = torch.arange(6, dtype=torch.float32)
+    before = leaf.clone()
+    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+        upstream_leaf(leaf)  # the planted (unpatched) path
+    patched = patched_broadcast_tensor_leaf(upstream_leaf)
+    assert patched(leaf) is None and calls == [] and torch.equal(leaf, before)
+    backend[0] = "cpu:gloo,cuda:nccl"
+    patched(leaf)
+    assert len(calls) == 1 and calls[0] is leaf  # a host backend: upstream's broadcast, untouched
+    meta = torch.empty(3, device="meta")  # stands for a device leaf: always upstream's
+    backend[0] = "nccl"
+    patched(meta)
+    assert calls[-1] is meta

@@ -1,0 +1,132 @@
+"""Side-stream host-to-device prefetch (``miles_ext.h2d_prefetch``) changes no value.
+
+Claim: with the lever on (``apply_fsdp2``'s default under ``cpu_offload``), the LoRA gradients of step 1 and the
+LoRA weights after 2 optimizer steps are **bitwise** equal to FSDP2's own synchronous copy (``h2d_prefetch=False``),
+under full offload (adapters offloaded too and stepped by the host AdamW between steps) and under partial residency.
+The tiny H3 preset with LoRA, fp32, the recipe's schedule (``tests.equivalence.test_h3_residency.run_mode``), one
+rank; CUDA only (the lever does nothing on a CPU mesh, checked below).
+
+Planted bug: a prefetch that copies each unit's shards once and then reuses that staged copy (a stale buffer
+across an optimizer step) must break the weight check: the offloaded adapters change on the host at every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.equivalence.h3_ranks import cpu_mesh, launch
+from tests.equivalence.test_h3_residency import MODES, _equal, run_mode
+
+CASES = {"offload": MODES["offload_exact"], "partial": MODES["partial1"]}
+
+
+# ------------------------------------------------------------------------------- CPU: the lever stays out of the way
+def _cpu_worker(rank: int, world: int, out_dir: str) -> None:
+    from miles_ext.fsdp_policy import apply_fsdp2
+    from miles_ext.h2d_prefetch import H2DPrefetch, attached, eligible
+    from miles_ext.tiny_run import make_lora_model
+
+    model = make_lora_model()
+    apply_fsdp2(model, cpu_offload=True, param_dtype=None, mesh=cpu_mesh(), exact_pin=True)
+    block = next(m for m in model.modules() if type(m).__name__.endswith("MiniMaxH3TransformerBlock"))
+    try:
+        H2DPrefetch(block, stream=None)  # type: ignore[arg-type]
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    torch.save({"report": model._onecard_h2d_prefetch, "attached": len(attached(model)),
+                "eligible": eligible(block), "error": error}, Path(out_dir) / "cpu.pt")
+
+
+def test_cpu_mesh_attaches_nothing_and_says_why(tmp_path):
+    launch(_cpu_worker, 1, str(tmp_path))
+    r = torch.load(tmp_path / "cpu.pt")
+    assert r["report"]["units"] == 0 and r["attached"] == 0
+    assert r["eligible"] == (False, "computes on cpu, not CUDA")
+    assert "cannot prefetch host-to-device: computes on cpu" in r["error"]
+    assert sum(r["report"]["skipped"].values()) > 0
+
+
+# ------------------------------------------------------------------------------- on the GPU (device machine)
+def _stale_stage(self, result) -> None:
+    """Planted bug: the first staged copy of a unit is reused for every later unshard."""
+    from miles_ext.h2d_prefetch import H2DPrefetch
+
+    first = getattr(self, "_first", None)
+    if first is None:
+        H2DPrefetch._real_stage(self, result)
+        self._first = self._pending[1:]
+    else:
+        self._pending = (result, *first)
+
+
+def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
+    from miles_ext import h2d_prefetch
+    from miles_ext.h2d_prefetch import H2DPrefetch
+
+    torch.cuda.set_device(0)
+    torch.use_deterministic_algorithms(True)
+    counts: dict[str, int] = {}
+    real_attach = h2d_prefetch.attach
+
+    def counting_attach(model, stream=None):
+        rep = real_attach(model, stream)
+        counts["units"] = counts.get("units", 0) + rep["units"]
+        return rep
+
+    h2d_prefetch.attach = counting_attach
+    res = {}
+    for name, kw in CASES.items():
+        res[f"{name}_sync"] = run_mode(None, device="cuda", h2d_prefetch=False, **kw)
+        res[f"{name}_prefetch"] = run_mode(None, device="cuda", h2d_prefetch=True, **kw)
+    H2DPrefetch._real_stage = H2DPrefetch._stage
+    H2DPrefetch._stage = _stale_stage
+    res["bug_stale"] = run_mode(None, device="cuda", h2d_prefetch=True, **CASES["offload"])
+    res["units"] = {"": torch.tensor([counts.get("units", 0)])}
+    torch.save(res, Path(out_dir) / "cuda.pt")
+
+
+def _cuda_entry(port: int, out_dir: str) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    try:
+        _cuda_worker(0, 1, out_dir)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cuda_results(tmp_path_factory):
+    import os
+
+    import torch.multiprocessing as mp
+
+    from patches.core.runtime import free_port
+
+    out = tmp_path_factory.mktemp("h2d")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    p = mp.get_context("spawn").Process(target=_cuda_entry, args=(free_port(), str(out)))
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+    return torch.load(out / "cuda.pt")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_prefetch_bitwise_equal_to_fsdp2_sync_copy(cuda_results, case):
+    sync, pre = cuda_results[f"{case}_sync"], cuda_results[f"{case}_prefetch"]
+    assert int(cuda_results["units"][""]) > 0  # the lever was attached where it runs
+    assert any(g.abs().sum() > 0 for g in sync["grads"].values())
+    assert _equal(pre["grads"], sync["grads"]), f"{case}: step-1 LoRA gradients differ"
+    assert _equal(pre["weights"], sync["weights"]), f"{case}: LoRA weights after 2 steps differ"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_cuda_planted_stale_staged_copy_is_caught(cuda_results):
+    assert not _equal(cuda_results["bug_stale"]["weights"], cuda_results["offload_sync"]["weights"])
