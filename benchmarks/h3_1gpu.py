@@ -163,7 +163,8 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
                                       master_dtype="bf16" if cuda else "fp32", cpu_offload=offload,
                                       source=fast_init.RandomInit(0, draw_device=None if cuda else "cpu"),
                                       plan_resident=plan_resident, mesh=mesh,
-                                      param_dtype=torch.bfloat16 if cuda else None, h2d_prefetch=not a.sync_h2d)
+                                      param_dtype=torch.bfloat16 if cuda else None,
+                                      h2d_prefetch=False if a.sync_h2d else None)
     model, resident = built.model, built.resident
     if cuda and not offload:
         model.to(device)
@@ -204,7 +205,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "base_tensors": built.report.tensors, "base_bytes": built.report.bytes,
             "meta_params_before_sharding": built.meta_params_before_sharding,
             "residency_plan": plan_terms.get("line"), "optimizer_device": opt_dev,
-            "h2d": "sync" if a.sync_h2d or not offload else "prefetch",
+            "h2d": "prefetch" if attached(model) else "sync",
             "h2d_prefetch": getattr(model, "_onecard_h2d_prefetch", None),
             "h2d_staged": sum(p.staged for p in attached(model)), "h2d_dropped": sum(p.dropped for p in attached(model)),
             "ok": True}
@@ -235,7 +236,7 @@ def table(results: list[dict]) -> str:
         if not r.get("ok"):
             rows.append(f"| {r['clip']} | {r['mode']} | | failed: {r.get('error', '')[:80]} | | | | | | |")
             continue
-        mode = r["mode"] + (" (sync H2D)" if r.get("h2d") == "sync" and r["mode"] != "resident" else "")
+        mode = r["mode"] + {"prefetch": " (H2D prefetch)", "sync": ""}.get(r.get("h2d"), "")
         rows.append(f"| {r['clip']} | {mode} | {r['resident_blocks']} | {r['s_per_step']:.2f} | "
                     f"{r['gpu_peak_gib']:.1f} | {r['host_peak_init_gib']:.1f} / {r['host_steady_gib']:.1f} / "
                     f"{r['host_peak_gib']:.1f} | {r['pinned_requested_bytes'] / 1e9:.2f} | "
@@ -321,7 +322,7 @@ def _main(argv: list[str] | None) -> int:
                     f"--print-commands the parent of one folder per command, default {RUNS_DIR})")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny preset, one tiny clip, every mode")
     ap.add_argument("--sync-h2d", action="store_true",
-                    help="offload/partial: FSDP2's own host-to-device copy on the compute stream (no side-stream "
+                    help="partial: FSDP2's own host-to-device copy on the compute stream (no side-stream "
                          "prefetch, miles_ext.h2d_prefetch): the stock-torch baseline of the same mode")
     ap.add_argument("--print-commands", action="store_true",
                     help=f"print one GPU command per (clip, mode), each under {COMMAND_LIMIT_S} s, and the --merge")

@@ -8,9 +8,10 @@
 # Without MILES_DIFFUSION_ROOT the embedded reference trainer runs (python -m miles_ext.train): the tiny
 # preset on a machine without a GPU, the full 33 B preset on a GPU. Recipe defaults: rollout batch 32, 1
 # sample per prompt, 4 optimizer steps per rollout (global batch 8), micro-batch 1, LoRA rank 64 / alpha
-# 128, the 8-GPU schedule replayed by grad accumulation (FROM_GPUS, default 8), --fsdp-cpu-offload and
-# --fsdp-master-dtype bf16 on a GPU.
-# Reads: FROM_GPUS (8), OUTPUT_ROOT (outputs), DATASET_PATH (default: the sample dataset), MASTER_PORT (the
+# 128, the 8-GPU schedule replayed by grad accumulation (FROM_GPUS, default 8), --fsdp-cpu-offload with
+# --fsdp-resident-blocks auto (as many blocks stay on the card as it holds, the rest streamed from the host with
+# side-stream prefetch; RESIDENT_BLOCKS=N or none to change it) and --fsdp-master-dtype bf16 on a GPU.
+# Reads: FROM_GPUS (8), RESIDENT_BLOCKS (auto; on a GPU), OUTPUT_ROOT (outputs), DATASET_PATH (default: the sample dataset), MASTER_PORT (the
 # one-rank process group's port; default: a free one, or pass --master-port), BASE_CHECKPOINT_PATH (a diffusers
 # MiniMaxH3Transformer3DModel safetensors checkpoint streamed into the base; default: random weights).
 # Writes $OUTPUT_ROOT/h3_t2va_sft/: summary.json, checkpoints/iter_<rollout, 9 digits>.pt after every rollout and
@@ -45,8 +46,16 @@ if [[ ! "$from" =~ ^[0-9]+$ ]]; then
   echo "error: FROM_GPUS=$from is not a whole number" >&2
   exit 2
 fi
+resident="${RESIDENT_BLOCKS:-auto}"
+if [[ ! "$resident" =~ ^([0-9]+|auto|none)$ ]]; then
+  echo "error: RESIDENT_BLOCKS=$resident: use auto, a whole number of blocks, or none (every block offloaded)" >&2
+  exit 2
+fi
 offload=()
-"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" && offload=(--fsdp-cpu-offload)
+if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  offload=(--fsdp-cpu-offload)
+  [[ "$resident" != none ]] && offload+=(--fsdp-resident-blocks "$resident")
+fi
 export PYTHONUNBUFFERED=1
 exec "$PYTHON" -m miles_ext.train --from-gpus "$from" --fsdp-master-dtype bf16 "${offload[@]}" \
   --output-dir "${OUTPUT_ROOT:-outputs}/h3_t2va_sft" ${DATASET_PATH:+--data-dir "$DATASET_PATH"} \

@@ -403,7 +403,7 @@ class FastBuild:
 
 def build_lora_fsdp(preset, *, seed: int, lora: dict[str, Any], master_dtype: str | torch.dtype, cpu_offload: bool,
                     source: "RandomInit | CheckpointInit | None" = None, plan_resident=None, mesh=None,
-                    param_dtype: torch.dtype | None = torch.bfloat16, h2d_prefetch: bool = True) -> FastBuild:
+                    param_dtype: torch.dtype | None = torch.bfloat16, h2d_prefetch: bool | None = None) -> FastBuild:
     """The low-RAM init order the trainer and ``benchmarks/h3_1gpu.py`` share: :func:`meta_transformer` ->
     ``torch.manual_seed(seed)`` (the LoRA init's draws) -> :func:`attach_lora_materialised` -> gradient checkpointing,
     train mode -> :func:`miles_ext.fsdp_policy.set_master_dtype` (the stored dtypes the residency plan counts) ->

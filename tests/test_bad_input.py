@@ -99,6 +99,13 @@ def test_launcher_checks_the_budget_before_upstream_starts(tmp_path):
         assert not marker.exists()
 
 
+def test_launcher_refuses_a_bad_resident_blocks_value(tmp_path):
+    launcher = ["bash", str(REPO / "launchers" / "sft_h3_t2va_1gpu.sh"), "--output-dir", str(tmp_path / "out")]
+    for bad in ("x", "-1", "2.5"):
+        _one_error(_run(launcher, RESIDENT_BLOCKS=bad), f"RESIDENT_BLOCKS={bad}")
+    assert not (tmp_path / "out").exists()
+
+
 def test_resident_blocks_above_the_block_count_is_a_one_line_user_error(capsys):
     from miles_ext.tiny_run import make_lora_model
     from miles_ext.upstream import patched_apply_fsdp2, resident_count

@@ -75,6 +75,15 @@ def test_partial_residency_trains_the_all_resident_lora_bitwise(small, tmp_path,
     assert [s[n]["fsdp_resident_blocks"] for n in modes] == [None, None, 1, 0, 4]
     assert s["auto"]["residency_plan_bytes"]["resident_blocks"] > 0 and s["partial1"]["residency_plan_bytes"] is None
     assert {x["optimizer_device"] for x in s.values()} == {"cpu"}  # same placement on the CPU
+    # a checkpoint holds its tensors, not the storage they view: under offload the adapters live in the pinned
+    # arena, and torch.save writes a view's whole storage (the 33 B save wrote 68.4 GB of arena on the H200)
+    for n in modes:
+        ckpt = tmp_path / n / "checkpoints" / "iter_000000001.pt"
+        blob = torch.load(ckpt, weights_only=False)
+        held = sum(t.numel() * t.element_size() for t in blob["lora"].values())
+        held += sum(t.numel() * t.element_size() for st in blob["optimizer"]["state"].values()
+                    for t in st.values() if torch.is_tensor(t))
+        assert ckpt.stat().st_size < held + (1 << 20), (n, ckpt.stat().st_size, held)
     # partial residency streams what it does not keep: the arena holds the streamed blocks' shards only
     req = {n: s[n]["pinned_fsdp_requested_vs_locked"]["requested"] for n in ("partial1", "partial0", "offload")}
     assert 0 < req["partial1"] < req["partial0"] < req["offload"]  # a resident block and the adapters stay off it
@@ -102,3 +111,20 @@ def test_bad_residency_flags_are_one_error_line(small, tmp_path, capsys, extra, 
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert rc == 2 and len(lines) == 1 and needle in lines[0], err[-2000:]
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_checkpoint_tensor_does_not_carry_the_storage_it_views(tmp_path):
+    """``torch.save`` writes a tensor's whole storage. At one rank under offload, an adapter's ``full_tensor()`` can
+    view the exact pinned arena (the 33 B save wrote 68.4 GB of it on the H200 and filled the disk): the
+    checkpoint's tensors go through ``_compact``. Planted: saving the view itself writes the arena."""
+    from miles_ext.train import _compact
+
+    arena = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB standing for the arena
+    view = arena[4096:4160]
+    torch.save({"w": view}, tmp_path / "view.pt")
+    torch.save({"w": _compact(view)}, tmp_path / "compact.pt")
+    assert (tmp_path / "view.pt").stat().st_size > 4 << 20  # the planted bug: the whole arena on disk
+    assert (tmp_path / "compact.pt").stat().st_size < 64 << 10
+    assert torch.equal(torch.load(tmp_path / "compact.pt")["w"], view)
+    own = torch.ones(8)
+    assert _compact(own).data_ptr() == own.data_ptr()  # a tensor with storage of its own is not copied
