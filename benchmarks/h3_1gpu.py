@@ -52,9 +52,10 @@ GPU commands, each within a 10-minute command (``--print-commands`` prints them 
     python benchmarks/h3_1gpu.py --merge benchmarks/results/h3_1gpu_runs
 
 (``--probe-largest`` puts ``--modes resident --clips {121,161,201,241}x480x832`` first; stop after the first that
-fails.) ``ulimit -l unlimited``: the arena registers ~66 GB (offload; less for partial). Time per configuration on
-an H200 is not measured yet; once a configuration is seen to take < 280 s, two can share a command
-(``--modes a,b --timeout-s 280``).
+fails.) ``ulimit -l unlimited``: the arena registers ~66 GB (offload; less for partial). Measured on an H200
+(2026-11-30, ``--steps 2``): 38-125 s per configuration, imports and init included, so several configurations can
+share one command (``--modes a,b,c`` with a ``--timeout-s`` that fits). ``--sync-h2d`` runs partial residency
+without :mod:`miles_ext.h2d_prefetch` (FSDP2's own copy on the compute stream): the same-run baseline of that lever.
 """
 
 from __future__ import annotations

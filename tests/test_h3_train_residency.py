@@ -83,7 +83,7 @@ def test_partial_residency_trains_the_all_resident_lora_bitwise(small, tmp_path,
         held = sum(t.numel() * t.element_size() for t in blob["lora"].values())
         held += sum(t.numel() * t.element_size() for st in blob["optimizer"]["state"].values()
                     for t in st.values() if torch.is_tensor(t))
-        assert ckpt.stat().st_size < held + (1 << 20), (n, ckpt.stat().st_size, held)
+        assert ckpt.stat().st_size < held + (64 << 10), (n, ckpt.stat().st_size, held)
     # partial residency streams what it does not keep: the arena holds the streamed blocks' shards only
     req = {n: s[n]["pinned_fsdp_requested_vs_locked"]["requested"] for n in ("partial1", "partial0", "offload")}
     assert 0 < req["partial1"] < req["partial0"] < req["offload"]  # a resident block and the adapters stay off it

@@ -18,7 +18,7 @@ import torch
 from miles_ext.tiny_run import PRELOAD
 from patches.core.runtime import free_port
 
-__all__ = ["gloo_rank", "cpu_mesh", "launch"]
+__all__ = ["gloo_rank", "cpu_mesh", "launch", "launch_cuda"]
 
 
 @contextlib.contextmanager
@@ -65,3 +65,24 @@ def launch(fn: Callable[..., Any], world: int, *args: Any) -> None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _cuda_entry(worker: Callable[..., Any], port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    torch.distributed.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    try:
+        worker(0, 1, out_dir)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def launch_cuda(worker: Callable[..., Any], out_dir: str) -> None:
+    """``worker(0, 1, out_dir)`` in one spawned process, a one-rank ``cpu:gloo,cuda:nccl`` group on a free port
+    (the CUDA proofs; ``worker`` is a module-level function). ``AssertionError`` when the process fails."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    p = mp.get_context("spawn").Process(target=_cuda_entry, args=(worker, free_port(), out_dir))
+    p.start()
+    p.join()
+    assert p.exitcode == 0, f"the CUDA worker exited with {p.exitcode}"

@@ -30,15 +30,20 @@ def _cpu_worker(rank: int, world: int, out_dir: str) -> None:
     from miles_ext.tiny_run import make_lora_model
 
     model = make_lora_model()
-    apply_fsdp2(model, cpu_offload=True, param_dtype=None, mesh=cpu_mesh(), exact_pin=True)
+    apply_fsdp2(model, cpu_offload=True, param_dtype=None, mesh=cpu_mesh(), exact_pin=True, h2d_prefetch=True)
     block = next(m for m in model.modules() if type(m).__name__.endswith("MiniMaxH3TransformerBlock"))
     try:
         H2DPrefetch(block, stream=None)  # type: ignore[arg-type]
         error = ""
     except ValueError as e:
         error = str(e)
+    defaults = {}  # h2d_prefetch=None: the lever is asked for with partial residency only
+    for name, kw in (("offload", {}), ("partial", dict(resident=[1], adapters_on_device=True))):
+        m = make_lora_model()
+        apply_fsdp2(m, cpu_offload=True, param_dtype=None, mesh=cpu_mesh(), exact_pin=True, **kw)
+        defaults[name] = hasattr(m, "_onecard_h2d_prefetch")
     torch.save({"report": model._onecard_h2d_prefetch, "attached": len(attached(model)),
-                "eligible": eligible(block), "error": error}, Path(out_dir) / "cpu.pt")
+                "eligible": eligible(block), "error": error, "defaults": defaults}, Path(out_dir) / "cpu.pt")
 
 
 def test_cpu_mesh_attaches_nothing_and_says_why(tmp_path):
@@ -48,6 +53,8 @@ def test_cpu_mesh_attaches_nothing_and_says_why(tmp_path):
     assert r["eligible"] == (False, "computes on cpu, not CUDA")
     assert "cannot prefetch host-to-device: computes on cpu" in r["error"]
     assert sum(r["report"]["skipped"].values()) > 0
+    # by default only partial residency asks for it (measured slower under full offload on the H200)
+    assert r["defaults"] == {"offload": False, "partial": True}
 
 
 # ------------------------------------------------------------------------------- on the GPU (device machine)
@@ -89,31 +96,12 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
     torch.save(res, Path(out_dir) / "cuda.pt")
 
 
-def _cuda_entry(port: int, out_dir: str) -> None:
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    torch.distributed.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
-    try:
-        _cuda_worker(0, 1, out_dir)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def cuda_results(tmp_path_factory):
-    import os
-
-    import torch.multiprocessing as mp
-
-    from patches.core.runtime import free_port
+    from tests.equivalence.h3_ranks import launch_cuda
 
     out = tmp_path_factory.mktemp("h2d")
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    p = mp.get_context("spawn").Process(target=_cuda_entry, args=(free_port(), str(out)))
-    p.start()
-    p.join()
-    assert p.exitcode == 0
+    launch_cuda(_cuda_worker, str(out))
     return torch.load(out / "cuda.pt")
 
 

@@ -146,17 +146,10 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
 def test_cuda_modes_gradients_bitwise_and_optimizer_placement(tmp_path, monkeypatch):
     """On the GPU: gradients bitwise equal in every mode; partial residency steps AdamW on the GPU and its weights
     equal the all-resident run's bitwise; full offload steps AdamW on the host (weights within 1e-5)."""
-    import torch.multiprocessing as mp
-
-    from patches.core.runtime import free_port
+    from tests.equivalence.h3_ranks import launch_cuda
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    p = ctx.Process(target=_cuda_entry, args=(port, str(tmp_path)))
-    p.start()
-    p.join()
-    assert p.exitcode == 0
+    launch_cuda(_cuda_worker, str(tmp_path))
     res = torch.load(tmp_path / "cuda.pt")
     ref = res["resident"]
     assert bool(ref["opt_device"][""])
@@ -168,14 +161,3 @@ def test_cuda_modes_gradients_bitwise_and_optimizer_placement(tmp_path, monkeypa
         assert not bool(res[mode]["opt_device"][""])
         for k, w in ref["weights"].items():
             torch.testing.assert_close(res[mode]["weights"][k], w, rtol=1e-5, atol=1e-7)
-
-
-def _cuda_entry(port: int, out_dir: str) -> None:
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    torch.distributed.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
-    try:
-        _cuda_worker(0, 1, out_dir)
-    finally:
-        torch.distributed.destroy_process_group()
