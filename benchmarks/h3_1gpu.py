@@ -63,7 +63,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -72,7 +74,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.checks import at_least, pick, positive, writable_dir, write_together  # noqa: E402
+from benchmarks.checks import at_least, free_targets, pick, positive, writable_dir, write_together  # noqa: E402
 from patches.core.errors import UserError, cli  # noqa: E402
 from patches.core.flags import is_whole_number  # noqa: E402
 
@@ -165,7 +167,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
                                       source=fast_init.RandomInit(0, draw_device=None if cuda else "cpu"),
                                       plan_resident=plan_resident, mesh=mesh,
                                       param_dtype=torch.bfloat16 if cuda else None,
-                                      h2d_prefetch=False if a.sync_h2d else None)
+                                      h2d_prefetch=False if a.sync_h2d else (True if a.prefetch_h2d else None))
     model, resident = built.model, built.resident
     if cuda and not offload:
         model.to(device)
@@ -238,7 +240,8 @@ def table(results: list[dict]) -> str:
             rows.append(f"| {r['clip']} | {r['mode']} | | failed: {r.get('error', '')[:80]} | | | | | | |")
             continue
         mode = r["mode"] + {"prefetch": " (H2D prefetch)", "sync": ""}.get(r.get("h2d"), "")
-        rows.append(f"| {r['clip']} | {mode} | {r['resident_blocks']} | {r['s_per_step']:.2f} | "
+        blocks = "none" if r["mode"] == "offload" else r["resident_blocks"]
+        rows.append(f"| {r['clip']} | {mode} | {blocks} | {r['s_per_step']:.2f} | "
                     f"{r['gpu_peak_gib']:.1f} | {r['host_peak_init_gib']:.1f} / {r['host_steady_gib']:.1f} / "
                     f"{r['host_peak_gib']:.1f} | {r['pinned_requested_bytes'] / 1e9:.2f} | "
                     f"{r['pinned_locked_bytes'] / 1e9:.2f} | {r['init_s']:.0f} ({r['init_meta_shard_s']:.0f} + "
@@ -260,20 +263,46 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
     the resident probes of the 480x832 clips (:data:`PROBE_FRAMES`, in order: stop at the first failure); last the
     ``--merge`` of every result into ``out``'s table."""
     opts = f"--steps {a.steps} --micro-batches {a.micro_batches} --lora-rank {a.lora_rank}"
+    sync = " --sync-h2d" if a.sync_h2d else ""
+    pre = " --prefetch-h2d" if a.prefetch_h2d else ""
     configs = [(m, c) for c in clips for m in modes]
     if probe:
         configs = [("resident", f"{f}x480x832") for f in PROBE_FRAMES] + configs
     cmds = ["# --probe-largest: the first 4 commands probe resident 480x832 clips; stop probing after the first that "
             "fails"] if probe else []
     for m, c in configs:
-        extra = ""
+        extra, tag = "", f"{c}_{m}"
         if m == "partial":
             extra = f" --resident-blocks {a.resident_blocks}" + (f" --gpu-budget-gib {a.gpu_budget_gib:g}"
-                                                                 if a.gpu_budget_gib else "")
+                                                                 if a.gpu_budget_gib else "") + sync
+            tag += "_sync" if sync else ""
+        if m == "offload" and pre:
+            extra, tag = pre, tag + "_prefetch"
         cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes {m} --clips {c} {opts}{extra} "
-                    f"--timeout-s {CHILD_TIMEOUT_S} --out {out}/{c}_{m}")
-    cmds.append(f"python benchmarks/h3_1gpu.py --merge {out}")
+                    f"--timeout-s {CHILD_TIMEOUT_S} --out {shlex.quote(f'{out}/{tag}')}")
+    cmds.append(f"python benchmarks/h3_1gpu.py --merge {shlex.quote(str(out))}")
     return cmds
+
+
+_ROW_NUMBERS = ("s_per_step", "gpu_peak_gib", "host_peak_init_gib", "host_steady_gib", "host_peak_gib",
+                "pinned_requested_bytes", "pinned_locked_bytes", "init_s", "init_meta_shard_s",
+                "init_materialise_s", "init_rest_s")
+
+
+def _check_row(r: dict) -> None:
+    """One result row as :func:`run_one` writes it (``ValueError`` / ``KeyError`` / ``TypeError`` otherwise): a
+    known mode and ``h2d``, an ``FxHxW`` clip, and for an ``ok`` row every number the table prints, finite."""
+    parse_clip(str(r["clip"]))
+    if r["mode"] not in MODES:
+        raise ValueError(f"mode {r['mode']!r} is none of {', '.join(MODES)}")
+    if r.get("h2d", "sync") not in ("sync", "prefetch"):
+        raise ValueError(f"h2d {r.get('h2d')!r} is neither sync nor prefetch")
+    if r.get("ok"):
+        for k in _ROW_NUMBERS:
+            v = r[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{k} = {v!r} is not a finite number")
+        r["resident_blocks"], r["optimizer_device"]  # noqa: B018 (KeyError when missing)
 
 
 def merge(folder: Path) -> list[dict]:
@@ -291,13 +320,15 @@ def merge(folder: Path) -> list[dict]:
             if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
                 raise ValueError("not a list of result rows")
             for r in rows:
-                parse_clip(str(r["clip"])), r["mode"]
-        except (OSError, ValueError, KeyError) as e:
+                _check_row(r)
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"--merge {folder}: {f} is not a results file of this benchmark ({e}); "
                             "remove it or run its command again") from None
         results += rows
     if not results:
-        raise UserError(f"--merge {folder}: no */h3_1gpu.json under it: run the printed commands first")
+        raise UserError(f"--merge {folder}: no result rows in */h3_1gpu.json under it (a missing folder, no "
+                        "files, or empty lists): run the printed commands first")
+    free_targets("--merge", folder, ("h3_1gpu.json", "h3_1gpu.md"))
     results.sort(key=lambda r: (parse_clip(r["clip"]), MODES.index(r["mode"]) if r["mode"] in MODES else 9))
     write_together({folder / "h3_1gpu.json": json.dumps(results, indent=2), folder / "h3_1gpu.md": table(results)})
     return results
@@ -322,6 +353,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--out", default=None, help=f"results folder (default {HERE / 'results'}; with "
                     f"--print-commands the parent of one folder per command, default {RUNS_DIR})")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny preset, one tiny clip, every mode")
+    ap.add_argument("--prefetch-h2d", action="store_true",
+                    help="offload: the side-stream prefetch under full offload too (off there by default: measured "
+                         "slower on the H200)")
     ap.add_argument("--sync-h2d", action="store_true",
                     help="partial: FSDP2's own host-to-device copy on the compute stream (no side-stream "
                          "prefetch, miles_ext.h2d_prefetch): the stock-torch baseline of the same mode")
@@ -333,7 +367,10 @@ def _main(argv: list[str] | None) -> int:
     if a.one:
         print("RESULT " + json.dumps(run_one(a.one[0], a.one[1], a)), flush=True)
         return 0
-    if a.merge:
+    if a.merge is not None:
+        if not a.merge.strip():
+            raise UserError("--merge needs the folder of the printed commands' results, e.g. "
+                            f"--merge {RUNS_DIR}; it was given an empty name")
         results = merge(Path(a.merge))
         print(table(results))
         return 0
@@ -353,6 +390,14 @@ def _main(argv: list[str] | None) -> int:
     at_least("--lora-rank", a.lora_rank, 1, "the LoRA rank")
     positive("--timeout-s", a.timeout_s, "seconds per configuration")
     positive("--gpu-budget-gib", a.gpu_budget_gib, "GiB")
+    if a.sync_h2d and a.prefetch_h2d:
+        raise UserError("--sync-h2d and --prefetch-h2d ask for opposite things: keep one")
+    if a.prefetch_h2d and "offload" not in modes:
+        raise UserError("--prefetch-h2d turns the side-stream prefetch on under full offload (partial residency has "
+                        "it by default): add offload to --modes, or drop --prefetch-h2d")
+    if a.sync_h2d and "partial" not in modes:
+        raise UserError("--sync-h2d turns off the side-stream prefetch of partial residency, the only mode that uses "
+                        "it: add partial to --modes, or drop --sync-h2d")
     if not (a.resident_blocks.strip().lower() == "auto" or is_whole_number(a.resident_blocks.strip())):
         raise UserError(f"--resident-blocks {a.resident_blocks!r}: use auto or a whole number of blocks (0 = stream all)")
     if a.print_commands:
@@ -361,6 +406,7 @@ def _main(argv: list[str] | None) -> int:
         print("\n".join(gpu_commands(modes, clips, a.probe_largest, a, a.out or RUNS_DIR)))
         return 0
     out = writable_dir("--out", a.out or HERE / "results")
+    free_targets("--out", out, ("h3_1gpu.json", "h3_1gpu.md"))
     if not a.smoke:
         import torch
 
@@ -372,6 +418,8 @@ def _main(argv: list[str] | None) -> int:
         passthrough.append(f"--gpu-budget-gib={a.gpu_budget_gib}")
     if a.sync_h2d:
         passthrough.append("--sync-h2d")
+    if a.prefetch_h2d:
+        passthrough.append("--prefetch-h2d")
     if a.smoke:  # the tiny model fits any budget: stream 3 of its 4 blocks so that partial residency streams
         passthrough = [x for x in passthrough if not x.startswith("--resident-blocks")]
         passthrough += ["--smoke", "--resident-blocks=1"]

@@ -25,6 +25,13 @@ if [[ -n "${MILES_DIFFUSION_ROOT:-}" ]]; then
   # arms the miles patch table in every process, Ray actors included (patches/miles_hook.py), when
   # MILES_ONECARD_FSDP=1 (and MILES_RESIDENT_BLOCKS, MILES_GPU_BUDGET_GIB) are set.
   here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  for v in RESIDENT_BLOCKS FROM_GPUS; do
+    if [[ -n "${!v:-}" ]]; then
+      echo "error: $v applies to the embedded trainer, not to an upstream checkout (MILES_DIFFUSION_ROOT is set):" \
+           "use MILES_RESIDENT_BLOCKS / upstream's own flags, or unset $v" >&2
+      exit 2
+    fi
+  done
   if [[ ! -d "$MILES_DIFFUSION_ROOT/miles/backends/fsdp_utils" || ! -f "$MILES_DIFFUSION_ROOT/train_diffusion.py" ]]; then
     echo "error: MILES_DIFFUSION_ROOT=$MILES_DIFFUSION_ROOT is not a miles-diffusion checkout (no" \
          "miles/backends/fsdp_utils/ or train_diffusion.py in it): point it at one, or unset it for the embedded trainer" >&2
@@ -47,14 +54,21 @@ if [[ ! "$from" =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 resident="${RESIDENT_BLOCKS:-auto}"
+resident="${resident,,}"
 if [[ ! "$resident" =~ ^([0-9]+|auto|none)$ ]]; then
-  echo "error: RESIDENT_BLOCKS=$resident: use auto, a whole number of blocks, or none (every block offloaded)" >&2
+  echo "error: RESIDENT_BLOCKS=$RESIDENT_BLOCKS: use auto, a whole number of blocks, or none (every block offloaded)" >&2
+  exit 2
+fi
+given=0  # the trainer's own --fsdp-resident-blocks among the trailing arguments
+for a in "$@"; do [[ "$a" == --fsdp-resident-blocks || "$a" == --fsdp-resident-blocks=* ]] && given=1; done
+if (( given )) && [[ -n "${RESIDENT_BLOCKS:-}" ]]; then
+  echo "error: RESIDENT_BLOCKS=$RESIDENT_BLOCKS and --fsdp-resident-blocks both given: keep one" >&2
   exit 2
 fi
 offload=()
 if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   offload=(--fsdp-cpu-offload)
-  [[ "$resident" != none ]] && offload+=(--fsdp-resident-blocks "$resident")
+  [[ "$resident" != none ]] && (( ! given )) && offload+=(--fsdp-resident-blocks "$resident")
 fi
 export PYTHONUNBUFFERED=1
 exec "$PYTHON" -m miles_ext.train --from-gpus "$from" --fsdp-master-dtype bf16 "${offload[@]}" \

@@ -345,7 +345,7 @@ class H3SFTRecipe(Recipe):
             UserError: a value that is neither ``auto`` nor a whole number >= 0; residency without
                 ``--fsdp-cpu-offload``; a budget that is not a finite number > 0, above the card's memory, or given without
                 ``--fsdp-resident-blocks auto``; ``auto`` with no GPU and no ``--gpu-budget-gib`` (its default is
-                the card's memory).
+                the card's memory); ``--fsdp-sync-h2d`` without ``--fsdp-resident-blocks``.
         """
         from miles_ext.residency import parse_resident_blocks
 
@@ -355,6 +355,10 @@ class H3SFTRecipe(Recipe):
             raise UserError(f"--fsdp-resident-blocks {cfg.fsdp_resident_blocks} picks the blocks that stay on the GPU "
                             "under --fsdp-cpu-offload; without it every block is resident: add --fsdp-cpu-offload, or "
                             "drop --fsdp-resident-blocks")
+        if cfg.fsdp_sync_h2d and self.resident_value is None:
+            raise UserError("--fsdp-sync-h2d turns off the side-stream host-to-device prefetch of partial residency, "
+                            "which this run does not use: add --fsdp-cpu-offload --fsdp-resident-blocks auto|N, or "
+                            "drop --fsdp-sync-h2d")
         budget = cfg.gpu_budget_gib
         if budget is not None:
             if self.resident_value != "auto":
@@ -690,6 +694,7 @@ class H3SFTRecipe(Recipe):
 
     # ---- summary
     def summary(self, start: int, results: list[StepResult], checkpoint: Path | None) -> dict[str, Any]:
+        from miles_ext.h2d_prefetch import attached
         from patches.core.host_arena import pinned_bytes_total
         from patches.core.runtime import proc_status_kib
 
@@ -718,6 +723,8 @@ class H3SFTRecipe(Recipe):
             "pinned_bytes_onecard": pinned_bytes_total(),
             "pinned_fsdp_requested_vs_locked": _pinned_vs_locked(self.model),
             "h2d_prefetch": getattr(self.model, "_onecard_h2d_prefetch", None),
+            # how offloaded shards reach the GPU: side-stream prefetch, FSDP2's copy at use, or nothing offloaded
+            "h2d": ("prefetch" if attached(self.model) else "sync") if cfg.fsdp_cpu_offload else None,
             "fsdp_resident_blocks": self.resident_count,
             "residency_plan_bytes": dict(self.resident_plan.terms) if self.resident_plan else None,
             "optimizer_device": to_local(next(iter(self.lora.values()))).device.type,

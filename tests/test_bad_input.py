@@ -99,10 +99,25 @@ def test_launcher_checks_the_budget_before_upstream_starts(tmp_path):
         assert not marker.exists()
 
 
+def test_sync_h2d_without_partial_residency_is_refused(tmp_path, capsys):
+    from miles_ext.train import main
+
+    for extra in ([], ["--fsdp-cpu-offload"]):
+        rc = main(["--preset", "tiny", "--validate-only", "--fsdp-sync-h2d", "--output-dir", str(tmp_path / "o"),
+                   *extra])
+        _one_error_captured(capsys, rc, "--fsdp-sync-h2d", "--fsdp-resident-blocks")
+    assert not (tmp_path / "o").exists()
+
+
 def test_launcher_refuses_a_bad_resident_blocks_value(tmp_path):
     launcher = ["bash", str(REPO / "launchers" / "sft_h3_t2va_1gpu.sh"), "--output-dir", str(tmp_path / "out")]
     for bad in ("x", "-1", "2.5"):
         _one_error(_run(launcher, RESIDENT_BLOCKS=bad), f"RESIDENT_BLOCKS={bad}")
+    _one_error(_run(launcher + ["--fsdp-resident-blocks", "3"], RESIDENT_BLOCKS="2"), "keep one")
+    root = tmp_path / "miles_diffusion"
+    shutil.copytree(FAKE, root)
+    for var in ("RESIDENT_BLOCKS", "FROM_GPUS"):  # upstream runs its own flags: these would be ignored
+        _one_error(_run(launcher, MILES_DIFFUSION_ROOT=str(root), **{var: "2"}), var, "MILES_DIFFUSION_ROOT")
     assert not (tmp_path / "out").exists()
 
 

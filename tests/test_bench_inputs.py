@@ -106,6 +106,11 @@ H3_BAD = [
     (["--smoke", "--gpu-budget-gib", "-1"], "--gpu-budget-gib"),
     (["--smoke", "--resident-blocks", "many"], "--resident-blocks"),
     (["--steps", "0"], "--steps"),  # before the GPU check
+    (["--smoke", "--modes", "resident,offload", "--sync-h2d"], "--sync-h2d"),  # it changes only partial
+    (["--smoke", "--modes", "partial", "--prefetch-h2d"], "--prefetch-h2d"),  # it changes only offload
+    (["--smoke", "--sync-h2d", "--prefetch-h2d"], "keep one"),
+    (["--merge", ""], "--merge"),  # an empty name must not start the benchmark
+    (["--merge", " ", "--smoke"], "--merge"),
 ]
 
 
@@ -152,6 +157,58 @@ def test_h3_merge_of_a_broken_result_is_one_line_and_writes_nothing(scripts, tmp
     assert scripts["h3_1gpu"].main(["--merge", str(tmp_path)]) == 2
     assert len(capfd.readouterr().err.strip().splitlines()) == 1
     assert not (tmp_path / "h3_1gpu.json").exists() and not (tmp_path / "h3_1gpu.md").exists()
+
+
+def _h3_row(**kw):
+    row = {"mode": "partial", "clip": "17x320x192", "ok": True, "h2d": "prefetch", "resident_blocks": 3,
+           "optimizer_device": "cuda", "s_per_step": 1.0, "gpu_peak_gib": 1.0, "host_peak_init_gib": 1.0,
+           "host_steady_gib": 1.0, "host_peak_gib": 1.0, "pinned_requested_bytes": 1, "pinned_locked_bytes": 1,
+           "init_s": 1.0, "init_meta_shard_s": 1.0, "init_materialise_s": 0.0, "init_rest_s": 0.0}
+    row.update(kw)
+    return row
+
+
+@pytest.mark.parametrize("bad", [dict(h2d=[1]), dict(h2d="fast"), dict(mode="bogus"), dict(mode=5),
+                                 dict(s_per_step=None), dict(s_per_step=float("nan")), dict(init_s=True),
+                                 dict(resident_blocks=KeyError)])
+def test_h3_merge_refuses_malformed_rows(scripts, tmp_path, capfd, bad):
+    row = _h3_row(**bad)
+    if row["resident_blocks"] is KeyError:
+        del row["resident_blocks"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "h3_1gpu.json").write_text(json.dumps([row]))
+    assert scripts["h3_1gpu"].main(["--merge", str(tmp_path)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --merge") and "h3_1gpu.json" in err[0], err
+    assert not (tmp_path / "h3_1gpu.json").exists()
+
+
+def test_h3_merge_labels_rows_and_refuses_a_folder_in_the_way(scripts, tmp_path, capfd):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "h3_1gpu.json").write_text(json.dumps([_h3_row(), _h3_row(h2d="sync")]))
+    assert scripts["h3_1gpu"].main(["--merge", str(tmp_path)]) == 0
+    md = (tmp_path / "h3_1gpu.md").read_text()
+    assert "| partial (H2D prefetch) |" in md and "| partial |" in md
+    (tmp_path / "h3_1gpu.md").unlink()
+    (tmp_path / "h3_1gpu.md").mkdir()
+    capfd.readouterr()
+    assert scripts["h3_1gpu"].main(["--merge", str(tmp_path)]) == 2
+    assert "is in the way" in capfd.readouterr().err
+
+
+def test_h3_printed_sync_commands_keep_the_flag_and_their_own_folders(scripts, capfd):
+    assert scripts["h3_1gpu"].main(["--print-commands", "--modes", "partial,resident", "--clips", "81x480x832",
+                                    "--sync-h2d", "--out", "runs dir"]) == 0
+    lines = capfd.readouterr().out.strip().splitlines()
+    partial = next(ln for ln in lines if "--modes partial" in ln)
+    resident = next(ln for ln in lines if "--modes resident" in ln)
+    assert "--sync-h2d" in partial and partial.endswith("--out 'runs dir/81x480x832_partial_sync'")
+    assert "--sync-h2d" not in resident and resident.endswith("--out 'runs dir/81x480x832_resident'")
+    assert lines[-1] == "python benchmarks/h3_1gpu.py --merge 'runs dir'"
+    assert scripts["h3_1gpu"].main(["--print-commands", "--modes", "offload", "--clips", "17x320x192",
+                                    "--prefetch-h2d", "--out", "r"]) == 0
+    first = capfd.readouterr().out.splitlines()[0]
+    assert "--prefetch-h2d" in first and first.endswith("--out r/17x320x192_offload_prefetch")
 
 
 # ---------------------------------------------------------------------------------------------- the helpers

@@ -31,14 +31,14 @@ from miles_ext.presets import get_preset
 config = get_preset("tiny").transformer_kwargs()  # your weights: MiniMaxH3Transformer3DModel.from_pretrained(...)
 
 # PEFT: a PeftModel wrapping the base model
-peft_model = PeftModel.from_pretrained(MiniMaxH3Transformer3DModel(**config), "my_adapter")
+peft_model = PeftModel.from_pretrained(MiniMaxH3Transformer3DModel(**config), "outputs/my_adapter")
 
 # diffusers: the adapter injected into the model itself
 model = MiniMaxH3Transformer3DModel(**config)
-model.load_lora_adapter("my_adapter", weight_name="pytorch_lora_weights.safetensors")
+model.load_lora_adapter("outputs/my_adapter", weight_name="pytorch_lora_weights.safetensors")
 """
 """How to load an exported adapter (README, "Loading the exported adapter"), run verbatim by
-:func:`test_readme_snippet_loads_a_trained_adapter` in a folder holding ``my_adapter``."""
+:func:`test_readme_snippet_loads_a_trained_adapter` in a folder holding ``outputs/my_adapter``."""
 
 
 def base_model():
@@ -151,7 +151,7 @@ def test_readme_snippet_loads_a_trained_adapter(tmp_path, monkeypatch, capfd):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = "outputs/h3_t2va_sft/checkpoints/iter_000000001.pt"
-    ex = subprocess.run([sys.executable, "-m", "miles_ext.export_lora", ckpt, "my_adapter"], env=env, cwd=tmp_path,
+    ex = subprocess.run([sys.executable, "-m", "miles_ext.export_lora", ckpt, "outputs/my_adapter"], env=env, cwd=tmp_path,
                         capture_output=True, text=True, timeout=300)
     assert ex.returncode == 0 and "exported 36 LoRA tensors (rank 64, alpha 128" in ex.stdout, ex.stderr
     capfd.readouterr()
