@@ -73,6 +73,9 @@ class Patch:
             owner: Any = importlib.import_module(module_name)
         except ImportError as e:
             raise UpstreamMismatch(f"{self.name}: cannot import {module_name} ({e}){where}") from None
+        except Exception as e:  # a broken checkout (SyntaxError, an error raised at import): named, not a traceback
+            raise UpstreamMismatch(f"{self.name}: importing {module_name} failed ({type(e).__name__}: {e}){where}"
+                                   ) from None
         *parents, attr = path.split(".")
         for part in parents:
             if not hasattr(owner, part):

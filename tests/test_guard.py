@@ -164,3 +164,17 @@ def test_status_exit_code_follows_the_targets(tmp_path, with_methods, code):
     assert ("MISMATCH" in r.stdout) == (code != 0)
     if code:
         assert r.stderr.count("error:") == 1 and "ed8287f" in r.stderr
+
+
+@pytest.mark.parametrize("body", ["def broken(:\n", "raise RuntimeError('needs a GPU at import')\n"])
+def test_a_checkout_module_that_fails_to_import_is_named_not_a_traceback(tmp_path, body):
+    import os
+    import subprocess
+
+    _fake_checkout(tmp_path, True)
+    (tmp_path / "cosmos_framework" / "checkpoint" / "dcp.py").write_text(body)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COSMOS_")}
+    env.update(COSMOS_FRAMEWORK_ROOT=str(tmp_path), COSMOS_EMA_CPU_SUBSET="1")
+    r = subprocess.run([sys.executable, "-m", "patches", "status"], env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert "importing cosmos_framework.checkpoint.dcp failed" in r.stdout and "ed8287f" in r.stdout
