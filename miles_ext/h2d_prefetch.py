@@ -5,8 +5,10 @@ all-gather: ``unshard`` only records a placeholder result, and ``wait_for_unshar
 host-to-device *on the compute stream*, when the unit's own forward (or backward) starts. So
 ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch`` change nothing, and every streamed
 block's copy (1.29 GB bf16 for an H3 block, ~26 ms at 50 GB/s) runs in series with compute. Measured on the
-H200 (``benchmarks/h3_1gpu.py``, 81x480x832): partial residency with 37 of 50 blocks streamed took 9.75 s per
-step against 6.65 s all-resident, about the whole transfer time. Reported upstream as pytorch/torchtitan#2749.
+H200 (``benchmarks/h3_1gpu.py``, 81x480x832, 2026-11-30): partial residency with 40 of 53 FSDP blocks streamed took
+9.76 s per step against 6.62 s all-resident, about the whole transfer time; with this lever, 6.94 s (and 10.86 vs
+10.55 s at 121x480x832). Reported upstream as pytorch/torchtitan#2749. Under full offload it was measured slower
+(14.03 vs 12.91 s), so :func:`miles_ext.fsdp_policy.apply_fsdp2` attaches it by default only with partial residency.
 
 **The lever.** :class:`H2DPrefetch` is attached to each offloaded FSDP2 unit (an object on the module, as
 accelerate attaches its hooks; :func:`attach`). When FSDP2 calls ``unshard`` -- the explicit prefetch from the
