@@ -60,6 +60,7 @@ from torch import nn
 from patches.core.errors import UserError
 from patches.core.flags import LATENT_CACHE_DIR, latent_cache_dir
 from patches.core.io import atomic_write
+from patches.core.runtime import group_moves_host_tensors
 
 from .vae_offload import encode_latents
 
@@ -528,7 +529,7 @@ def run_prepass(vae: nn.Module, device: torch.device, records: Sequence[Any], pr
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every share written before anyone trains
         counts = torch.tensor([report.hits, report.misses, report.corrupt], dtype=torch.int64)
-        if torch.distributed.get_backend() == "nccl":
+        if not group_moves_host_tensors():
             counts = counts.to(device)
         torch.distributed.all_reduce(counts)
         hits, misses, corrupt = (int(c) for c in counts.cpu())

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from patches.core.runtime import GiB, as_dtensor, to_local
+from patches.core.runtime import GiB, as_dtensor, group_moves_host_tensors, to_local
 
 from .ema import EMA, canonical_name
 from .vae_offload import VAEOffload
@@ -190,12 +190,6 @@ def patched_wrapper_load_state_dict(original: Callable[..., Any]) -> Callable[..
     return load_state_dict
 
 
-def _group_moves_host_tensors() -> bool:
-    """Whether the default process group has a host backend (gloo or MPI), so a CPU tensor can be broadcast."""
-    backend = str(torch.distributed.get_backend()).lower()
-    return "gloo" in backend or "mpi" in backend
-
-
 def patched_broadcast_tensor_leaf(original: Callable[..., Any]) -> Callable[..., Any]:
     """``cosmos_framework.checkpoint.dcp._broadcast_tensor_leaf`` that also takes the host EMA's tensors.
 
@@ -216,7 +210,7 @@ def patched_broadcast_tensor_leaf(original: Callable[..., Any]) -> Callable[...,
     def _broadcast_tensor_leaf(value):
         dist = torch.distributed
         local = to_local(value)
-        if local.device.type != "cpu" or not dist.is_initialized() or _group_moves_host_tensors():
+        if local.device.type != "cpu" or not dist.is_initialized() or group_moves_host_tensors():
             return original(value)
         if dist.get_world_size() == 1:
             return None

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["H2DPrefetch", "eligible", "attach", "detach", "attached"]
+__all__ = ["H2DPrefetch", "eligible", "attach", "attached"]
 
 _ATTR = "_onecard_h2d_prefetcher"
 
@@ -100,7 +100,7 @@ class H2DPrefetch:
         self.dropped = 0
         self._orig_unshard = self.group.unshard
         self._orig_wait = self.group.wait_for_unshard
-        self.group.unshard = self.unshard  # instance attributes: this unit only, removed by :meth:`remove`
+        self.group.unshard = self.unshard  # instance attributes: this unit only
         self.group.wait_for_unshard = self.wait_for_unshard
 
     def unshard(self, *args: Any, **kwargs: Any) -> Any:
@@ -147,12 +147,6 @@ class H2DPrefetch:
         self.staged += 1
         return out
 
-    def remove(self) -> None:
-        """Give the unit back to FSDP2's own ``unshard`` / ``wait_for_unshard``."""
-        for name in ("unshard", "wait_for_unshard"):
-            self.group.__dict__.pop(name, None)
-        self._pending = None
-
 
 def attach(model: nn.Module, stream: torch.cuda.Stream | None = None) -> dict[str, Any]:
     """Attach an :class:`H2DPrefetch` to every eligible FSDP2 unit of ``model`` (idempotent).
@@ -182,14 +176,3 @@ def attached(model: nn.Module) -> list[H2DPrefetch]:
     """The :class:`H2DPrefetch` objects on ``model``'s units."""
     return [p for m in model.modules() if (p := getattr(m, _ATTR, None)) is not None]
 
-
-def detach(model: nn.Module) -> int:
-    """Remove every :class:`H2DPrefetch` from ``model``; returns how many were removed."""
-    n = 0
-    for m in model.modules():
-        p = getattr(m, _ATTR, None)
-        if p is not None:
-            p.remove()
-            delattr(m, _ATTR)
-            n += 1
-    return n

@@ -130,3 +130,22 @@ def test_optional_fields_both_spellings_make_flags_and_load():
     assert cc.from_mapping(Flags, {"port": None, "batch": 3}).batch == 3
     with pytest.raises(cc.ConfigError, match="wrong type"):
         cc.from_mapping(Flags, {"port": "x"})
+
+
+def test_checkpoints_hold_each_tensor_not_the_storage_it_views(tmp_path):
+    """``torch.save`` writes a tensor's whole storage. At one rank under offload an H3 adapter's ``full_tensor()``
+    views the exact pinned arena (the 33 B save wrote 68.4 GB of it on the H200 and filled the disk): the
+    checkpoint writer saves each tensor with its own elements only. Planted: ``torch.save`` of the view itself."""
+    from patches.core.io import atomic_torch_save, own_storage
+
+    arena = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB standing for the arena
+    view = arena[4096:4160]
+    torch.save({"w": view}, tmp_path / "view.pt")
+    assert (tmp_path / "view.pt").stat().st_size > 4 << 20  # the planted bug: the whole arena on disk
+    atomic_torch_save({"w": view, "nested": [{"m": arena[:8].view(2, 4)}], "n": 3}, tmp_path / "own.pt")
+    assert (tmp_path / "own.pt").stat().st_size < 64 << 10
+    back = torch.load(tmp_path / "own.pt")
+    assert torch.equal(back["w"], view) and torch.equal(back["nested"][0]["m"], arena[:8].view(2, 4))
+    assert back["n"] == 3 and isinstance(back["nested"], list)
+    own = torch.ones(8)
+    assert own_storage(own) is own  # a tensor with storage of its own is not copied

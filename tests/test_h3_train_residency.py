@@ -112,19 +112,3 @@ def test_bad_residency_flags_are_one_error_line(small, tmp_path, capsys, extra, 
     assert rc == 2 and len(lines) == 1 and needle in lines[0], err[-2000:]
     assert not (tmp_path / "out" / "checkpoints").exists()
 
-
-def test_checkpoint_tensor_does_not_carry_the_storage_it_views(tmp_path):
-    """``torch.save`` writes a tensor's whole storage. At one rank under offload, an adapter's ``full_tensor()`` can
-    view the exact pinned arena (the 33 B save wrote 68.4 GB of it on the H200 and filled the disk): the
-    checkpoint's tensors go through ``_compact``. Planted: saving the view itself writes the arena."""
-    from miles_ext.train import _compact
-
-    arena = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB standing for the arena
-    view = arena[4096:4160]
-    torch.save({"w": view}, tmp_path / "view.pt")
-    torch.save({"w": _compact(view)}, tmp_path / "compact.pt")
-    assert (tmp_path / "view.pt").stat().st_size > 4 << 20  # the planted bug: the whole arena on disk
-    assert (tmp_path / "compact.pt").stat().st_size < 64 << 10
-    assert torch.equal(torch.load(tmp_path / "compact.pt")["w"], view)
-    own = torch.ones(8)
-    assert _compact(own).data_ptr() == own.data_ptr()  # a tensor with storage of its own is not copied

@@ -44,6 +44,13 @@ def rank_world() -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
+def group_moves_host_tensors(group=None) -> bool:
+    """Whether ``group``'s backend (default: the world's) can run collectives on CPU tensors (gloo or MPI, alone or
+    as ``cpu:gloo,cuda:nccl``); ``False`` for a CUDA-only group such as plain NCCL."""
+    backend = str(torch.distributed.get_backend(group)).lower()
+    return "gloo" in backend or "mpi" in backend
+
+
 def to_local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (``t.to_local()``), or ``t`` itself for a plain tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
