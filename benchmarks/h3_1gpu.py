@@ -152,7 +152,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             budget = (a.gpu_budget_gib * GiB if a.gpu_budget_gib else
                       (torch.cuda.get_device_properties(0).total_memory if cuda else 1 * GiB))
             plan = plan_resident_blocks(sizes, root, adapters, budget_bytes=int(budget), tokens=tokens,
-                                        hidden=preset.hidden_size, ffn_dim=preset.ffn_dim,
+                                        hidden=preset.hidden_size, ffn_dim=preset.ffn_dim, act_bytes=2 if cuda else 4,
                                         reserve_gib=0.0 if a.smoke else 3.0)
             print(f"onecard: {plan.line()}", flush=True)
             plan_terms["line"] = plan.line()

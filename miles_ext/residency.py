@@ -32,10 +32,20 @@ The memory model (:func:`plan_resident_blocks`), bytes on the GPU, every term st
 - ``(1 + depth) * 2 * max_block_bytes`` when anything streams: gathered copies in flight (the H2D staging and
   the all-gathered parameters, for the running block and ``depth`` prefetched ones);
 - ``root_bytes``: parameters outside the blocks (resident root unit);
-- ``4 * adapter_bytes``: fp32 adapters + gradients + AdamW ``exp_avg`` and ``exp_avg_sq``;
-- activations: gradient checkpointing keeps each block's input (``num_layers * tokens * hidden * 4``, fp32 to be
-  safe) plus one block's recompute working set, taken as ``tokens * (12 * hidden + 3 * ffn_dim) * 2`` (bf16);
+- ``5 * adapter_bytes``: fp32 adapters + gradients + AdamW ``exp_avg`` and ``exp_avg_sq``, plus the one
+  adapter-sized temporary of the foreach AdamW step (its denominator);
+- activations: gradient checkpointing keeps each block's input (``num_layers * tokens * hidden * act_bytes``, the
+  compute dtype: 2 for bf16) plus one block's recompute-and-backward working set, ``tokens * (12 * hidden +
+  3 * ffn_dim) * 2 * 1.5``: the bf16 intermediates a block names (q, k, v, attention output, norms, SwiGLU
+  ``fc1`` and its activation) and, the factor 1.5, the gradients of those that are alive with them in backward;
 - ``reserve_gib`` (default 3 GiB): CUDA context, cuBLAS workspaces, allocator fragmentation.
+
+The two activation terms are checked against the all-resident H200 runs of ``benchmarks/h3_1gpu.py`` (full
+preset, LoRA r64, bf16; ``tests/equivalence/test_h3_residency.py`` reads the committed results): the GPU peak
+rises 893.9 KB per packed row from 576 to 24,290 rows (a straight line within 0.01 GiB), and the model says
+892.4 KB; everything but the reserve is modelled 0.42 GiB under the measured peak at every size. The first
+version of this model kept the block inputs in fp32 "to be safe" and the working set without its gradients:
+9.6 GiB over at 24,290 rows, where it refused a 40 GB budget that fits.
 
 ``auto`` = the largest N whose total is within the budget (0 .. num_layers), printed with the terms.
 """
@@ -156,7 +166,7 @@ class ResidencyPlan:
 
 def plan_resident_blocks(
     sizes: Sequence[int], root_bytes: int, adapter_bytes: int, *, budget_bytes: int, tokens: int, hidden: int,
-    ffn_dim: int, depth: int = 1, reserve_gib: float = 3.0,
+    ffn_dim: int, depth: int = 1, reserve_gib: float = 3.0, act_bytes: int = 2,
 ) -> ResidencyPlan:
     """The largest N (blocks resident, the largest blocks first counted) that fits ``budget_bytes``.
 
@@ -168,6 +178,7 @@ def plan_resident_blocks(
         hidden / ffn_dim: the preset's widths.
         depth: prefetch depth.
         reserve_gib: fixed reserve in GiB.
+        act_bytes: bytes per element of the activations (the compute dtype: 2 for bf16, 4 for fp32).
 
     Raises:
         UserError: even N = 0 does not fit the budget (names the budget and the need).
@@ -176,8 +187,8 @@ def plan_resident_blocks(
     big = max(sizes) if sizes else 0
     fixed = {
         "root": root_bytes,
-        "adapters+grads+adamw": 4 * adapter_bytes,
-        "activations": n_blocks * tokens * hidden * 4 + tokens * (12 * hidden + 3 * ffn_dim) * 2,
+        "adapters+grads+adamw": 5 * adapter_bytes,
+        "activations": n_blocks * tokens * hidden * act_bytes + int(tokens * (12 * hidden + 3 * ffn_dim) * 2 * 1.5),
         "reserve": int(reserve_gib * GiB),
     }
     order = sorted(sizes, reverse=True)
