@@ -112,3 +112,50 @@ def test_bad_residency_flags_are_one_error_line(small, tmp_path, capsys, extra, 
     assert rc == 2 and len(lines) == 1 and needle in lines[0], err[-2000:]
     assert not (tmp_path / "out" / "checkpoints").exists()
 
+
+
+def test_one_rank_checkpoint_state_is_taken_without_a_gather(tmp_path, monkeypatch):
+    """At world size 1 the checkpoint's LoRA and AdamW state are the shards themselves: equal to the gathered
+    full state, sharing the optimizer's memory, with no gather called. On the H200 the gather sent every
+    CPU-offloaded moment to the GPU and back, a host copy that lifted the 33 B save to 76.9 GB (target 75).
+    Planted: the full-state path (``_gather_state_dict``) is what fails here."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.state_dict as dsd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from miles_ext.train import host_full_state
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        for unit in (*model, model):
+            fully_shard(unit, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        lora = dict(model.named_parameters())
+        gathered = dsd.get_optimizer_state_dict(model, opt, options=dsd.StateDictOptions(full_state_dict=True,
+                                                                                           cpu_offload=True))
+
+        def no_gather(*args, **kwargs):
+            raise AssertionError("gathered at world size 1")
+
+        monkeypatch.setattr(dsd, "_gather_state_dict", no_gather)
+        monkeypatch.setattr(DTensor, "full_tensor", no_gather)
+        full, optimizer = host_full_state(model, opt, lora)
+        assert optimizer["param_groups"] == gathered["param_groups"]
+        assert optimizer["state"].keys() == gathered["state"].keys()
+        for k, v in gathered["state"].items():
+            for n, t in v.items():
+                got = optimizer["state"][k][n]
+                assert type(got) is torch.Tensor and torch.equal(got, t), (k, n)
+        shards = {to.to_local().data_ptr() for st in opt.state.values() for to in (st["exp_avg"], st["exp_avg_sq"])}
+        assert {t.data_ptr() for v in optimizer["state"].values() for n, t in v.items() if n != "step"} <= shards
+        assert all(type(t) is torch.Tensor and torch.equal(t, p.to_local()) for (k, t), p in
+                   zip(full.items(), lora.values()))
+    finally:
+        dist.destroy_process_group()
