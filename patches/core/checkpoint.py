@@ -36,11 +36,14 @@ class CheckpointManager:
         run_dir: the run's output folder; checkpoints go to ``run_dir/checkpoints``.
         write: whether this process writes (``False`` on ranks other than 0: they compute the state,
             which may need collectives, but rank 0 alone writes it).
+        load_kw: default ``torch.load`` keywords of :meth:`load_latest` (e.g. ``{"mmap": True}``: tensors backed
+            by the file's pages instead of a copy in memory).
     """
 
-    def __init__(self, run_dir: str | Path, write: bool = True):
+    def __init__(self, run_dir: str | Path, write: bool = True, load_kw: dict[str, Any] | None = None):
         self.dir = Path(run_dir) / "checkpoints"
         self.write = write
+        self.load_kw = dict(load_kw or {})
 
     def path(self, step: int) -> Path:
         """``checkpoints/iter_<step, 9 digits>.pt``."""
@@ -76,7 +79,7 @@ class CheckpointManager:
         """
         import torch
 
-        load_kw = {"map_location": "cpu", "weights_only": False, **load_kw}
+        load_kw = {"map_location": "cpu", "weights_only": False, **self.load_kw, **load_kw}
         found = self.all()
         for i, (_, path) in reversed(list(enumerate(found))):
             try:
