@@ -55,7 +55,7 @@ from patches.core.checkpoint import CheckpointManager
 from patches.core.config import add_arguments, from_namespace
 from patches.core.errors import UserError, cli
 from patches.core.flags import is_whole_number
-from patches.core.io import atomic_torch_save
+from patches.core.io import atomic_torch_save, release_file_pages
 from patches.core.runtime import GiB, free_port, host_rss, median, to_local
 from patches.core.trainer import Recipe, StepResult
 from patches.core.trainer import preflight as preflight_run
@@ -100,13 +100,14 @@ def load_host_state(model: torch.nn.Module, opt: torch.optim.Optimizer, lora: di
                     optimizer: dict[str, Any]) -> None:
     """Load a checkpoint's optimizer section (:func:`host_full_state`'s layout) into ``opt``.
 
-    At world size 1, when the section names exactly ``lora``'s tensors in ``opt``'s order, each saved moment
-    becomes the optimizer's state as it is: a DTensor (or tensor) shaped like its parameter whose local tensor is
-    the saved one when it already sits on the parameter's device (host under offload; with ``torch.load(...,
-    mmap=True)`` the file's pages), else a copy there. The full-state path (``set_optimizer_state_dict``) first
-    sends every host moment to the mesh's GPU and then copies it back: the 33 B resume under full offload peaked
-    at 75.4 GiB (80.9 GB, H200, LoRA r64) against 69.1 GiB for a run from scratch. Otherwise, and with more
-    ranks, that path is taken.
+    At world size 1, when the section names exactly ``lora``'s tensors in ``opt``'s order, each saved moment is
+    copied into a fresh tensor shaped like its parameter (a DTensor with its mesh and placements) on the
+    parameter's device, one at a time, and a saved moment read from a file mapping (``torch.load(...,
+    mmap=True)``) has its pages dropped once copied (:func:`patches.core.io.release_file_pages`): the host then
+    holds each moment once, as in a run from scratch. The full-state path (``set_optimizer_state_dict``) first
+    sends every host moment to the mesh's GPU and copies it back: the 33 B resume under full offload peaked at
+    75.4 GiB (80.9 GB, H200, LoRA r64) against 69.1 GiB for a run from scratch. Otherwise, and with more ranks,
+    that path is taken.
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -122,9 +123,9 @@ def load_host_state(model: torch.nn.Module, opt: torch.optim.Optimizer, lora: di
 
     def like(param: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            out = torch.empty_like(param)  # the parameter's mesh, placements and device; one moment's bytes
-            local = to_local(out)
-            local.set_(saved.to(local.device, local.dtype))
+            out = torch.empty_like(param)  # the parameter's mesh, placements and device
+            to_local(out).copy_(saved)
+        release_file_pages([saved])
         return out
 
     state = {i: {k: like(p, v) if torch.is_tensor(v) and k != "step" else v
@@ -355,7 +356,7 @@ class H3SFTRecipe(Recipe):
         self.cfg = cfg
         self.target_modules = list(cfg.lora_target_modules or H3_LORA_TARGETS)
         self.run_dir = Path(cfg.output_dir)
-        # mmap: the saved AdamW moments become the optimizer's state in place (load_host_state), no second copy
+        # mmap: each saved tensor is read from the file's pages, which are dropped once it is copied (load_host_state)
         self.checkpoints = CheckpointManager(self.run_dir, load_kw={"mmap": True})
         self.max_steps = cfg.num_rollout
         self.rollouts_done = 0
@@ -673,6 +674,7 @@ class H3SFTRecipe(Recipe):
         with torch.no_grad():
             for k, p in lora.items():
                 to_local(p).copy_(saved[k])
+                release_file_pages([saved[k]])  # the checkpoint's pages, once copied (mmap load)
         load_host_state(self.model, self.opt, lora, state["optimizer"])
         self.rollouts_done = int(state["rollout"])
         return self.rollouts_done

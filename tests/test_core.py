@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +169,23 @@ def test_checkpoint_views_cost_no_host_copy(dtype):
     copy = own_storage(strided)
     assert torch.equal(copy, strided) and copy.data_ptr() != strided.data_ptr()
     assert copy.untyped_storage().nbytes() == strided.numel() * strided.element_size()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / statm: Linux")
+def test_release_file_pages_drops_mapped_pages_only(tmp_path):
+    """A tensor read from ``torch.load(mmap=True)`` gives its pages back (RSS falls by its size, its values read
+    again from the file); an anonymous tensor is left alone (``MADV_DONTNEED`` would zero it)."""
+    from patches.core.io import release_file_pages
+
+    def rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    torch.save({"a": torch.randn(1 << 24)}, tmp_path / "x.pt")  # 64 MiB
+    a = torch.load(tmp_path / "x.pt", mmap=True)["a"]
+    total = float(a.sum())  # pages in
+    before = rss()
+    assert release_file_pages([a]) >= (64 << 20) - 8192
+    assert before - rss() > 48 << 20 and float(a.sum()) == total
+    anon = torch.randn(1 << 22)
+    kept = anon.clone()
+    assert release_file_pages({"b": anon}) == 0 and torch.equal(anon, kept)

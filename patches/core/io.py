@@ -138,3 +138,54 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     import torch
 
     return atomic_write(path, lambda p: torch.save(own_storage(obj), p))
+
+
+def _file_backed_spans() -> list[tuple[int, int]]:
+    """``(start, end)`` of this process's private file-backed mappings (``/proc/self/maps`` entries with an inode
+    and a path); empty where there is no ``/proc``."""
+    spans = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[4] != "0" and parts[5].startswith("/") and parts[1][3] == "p":
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    spans.append((lo, hi))
+    except OSError:
+        return []
+    return spans
+
+
+def release_file_pages(tensors: Any) -> int:
+    """Drop the resident pages of host tensors that are done being read and that view a file mapping
+    (``torch.load(..., mmap=True)``); returns the bytes released.
+
+    Each such page counts in the process's RSS (and VmHWM) for as long as the mapping lives, which is as long as
+    any tensor of that file does: resuming the 33 B H3 run kept the 1.29 GiB of read LoRA pages resident beside
+    the arena they were copied into. ``madvise(MADV_DONTNEED)`` on a private file mapping drops the pages (a later
+    read would fetch them from the file again). Only whole pages inside a tensor's own bytes and inside a private
+    file-backed mapping are dropped: anonymous memory, which ``MADV_DONTNEED`` would zero, is never touched.
+    Linux only; elsewhere nothing is released.
+    """
+    import ctypes
+    import sys
+
+    import torch
+
+    if not sys.platform.startswith("linux"):
+        return 0
+    spans = _file_backed_spans()
+    if not spans:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    released = 0
+    for t in (tensors.values() if isinstance(tensors, dict) else tensors):
+        if not torch.is_tensor(t) or t.device.type != "cpu" or not t.is_contiguous():
+            continue
+        lo = -(-t.data_ptr() // page) * page
+        hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+        if hi > lo and any(a <= lo and hi <= b for a, b in spans) and libc.madvise(lo, hi - lo, 4) == 0:
+            released += hi - lo  # 4 = MADV_DONTNEED
+    return released
