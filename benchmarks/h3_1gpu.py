@@ -3,7 +3,8 @@
     python benchmarks/h3_1gpu.py [--modes resident,offload,partial] [--clips 17x320x192,81x480x832]
         [--probe-largest] [--resident-blocks auto] [--gpu-budget-gib 40] [--steps 1] [--micro-batches 2]
         [--out benchmarks/results]
-    python benchmarks/h3_1gpu.py --smoke      # CPU: tiny preset, gloo, every mode at one tiny clip (tested)
+    python benchmarks/h3_1gpu.py --smoke      # CPU: tiny preset, gloo, every mode at one tiny clip (tested;
+                                              # results in outputs/h3_1gpu_smoke/ unless --out)
     python benchmarks/h3_1gpu.py --print-commands [--probe-largest] [--gpu-budget-gib 40] [--out DIR]
     python benchmarks/h3_1gpu.py --merge DIR  # DIR/*/h3_1gpu.json -> DIR/h3_1gpu.json + DIR/h3_1gpu.md
 
@@ -350,8 +351,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--micro-batches", type=int, default=2, help="accumulated micro-batches per optimizer step")
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per configuration")
-    ap.add_argument("--out", default=None, help=f"results folder (default {HERE / 'results'}; with "
-                    f"--print-commands the parent of one folder per command, default {RUNS_DIR})")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; with --smoke "
+                    f"outputs/h3_1gpu_smoke; with --print-commands the parent of one folder per command, default "
+                    f"{RUNS_DIR})")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny preset, one tiny clip, every mode")
     ap.add_argument("--prefetch-h2d", action="store_true",
                     help="offload: the side-stream prefetch under full offload too (off there by default: measured "
@@ -405,7 +407,8 @@ def _main(argv: list[str] | None) -> int:
             raise UserError("--print-commands lists the GPU runs; --smoke runs on the CPU: drop one of them")
         print("\n".join(gpu_commands(modes, clips, a.probe_largest, a, a.out or RUNS_DIR)))
         return 0
-    out = writable_dir("--out", a.out or HERE / "results")
+    # a smoke run's results are not results: they go under the ignored outputs/, not next to the committed ones
+    out = writable_dir("--out", a.out or (HERE.parent / "outputs" / "h3_1gpu_smoke" if a.smoke else HERE / "results"))
     free_targets("--out", out, ("h3_1gpu.json", "h3_1gpu.md"))
     if not a.smoke:
         import torch

@@ -100,14 +100,15 @@ def load_host_state(model: torch.nn.Module, opt: torch.optim.Optimizer, lora: di
                     optimizer: dict[str, Any]) -> None:
     """Load a checkpoint's optimizer section (:func:`host_full_state`'s layout) into ``opt``.
 
-    At world size 1, when the section names exactly ``lora``'s tensors in ``opt``'s order, each saved moment is
-    copied into a fresh tensor shaped like its parameter (a DTensor with its mesh and placements) on the
-    parameter's device, one at a time, and a saved moment read from a file mapping (``torch.load(...,
-    mmap=True)``) has its pages dropped once copied (:func:`patches.core.io.release_file_pages`): the host then
-    holds each moment once, as in a run from scratch. The full-state path (``set_optimizer_state_dict``) first
-    sends every host moment to the mesh's GPU and copies it back: the 33 B resume under full offload peaked at
-    75.4 GiB (80.9 GB, H200, LoRA r64) against 69.1 GiB for a run from scratch. Otherwise, and with more ranks,
-    that path is taken.
+    At world size 1, when the section holds state for exactly ``lora``'s tensors in ``opt``'s order and groups, and
+    each saved moment has its parameter's shape, each saved moment is copied into a fresh tensor shaped like its parameter (a
+    DTensor with its mesh and placements) on the parameter's device, one at a time, and a saved moment read from a
+    file mapping (``torch.load(..., mmap=True)``) has its pages dropped once copied
+    (:func:`patches.core.io.release_file_pages`): the host then holds each moment once, as in a run from scratch.
+    The full-state path (``set_optimizer_state_dict``) first sends every host moment to the mesh's GPU and copies it
+    back: the 33 B resume under full offload peaked at 75.4 GiB (80.9 GB, H200, LoRA r64) against 69.1 GiB for a run
+    from scratch. Otherwise, and with more ranks, that path is taken (it refuses a section without state for
+    every tensor, where fresh moments would be silent).
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -117,7 +118,14 @@ def load_host_state(model: torch.nn.Module, opt: torch.optim.Optimizer, lora: di
     names = [name_of.get(id(p)) for p in params]
     saved_order = [n for g in optimizer.get("param_groups", ()) for n in g["params"]]
     one_rank = not dist.is_initialized() or dist.get_world_size() == 1
-    if not (one_rank and None not in names and saved_order == names and set(optimizer["state"]) <= set(names)):
+    # the same groups (a group's params are its indices below) and every saved moment its parameter's shape:
+    # copy_ would broadcast a (1, n) moment into an (m, n) one without a word
+    same_groups = [len(g["params"]) for g in optimizer.get("param_groups", ())] == [len(g["params"])
+                                                                                   for g in opt.param_groups]
+    same_shapes = all(k == "step" or not torch.is_tensor(t) or t.shape == p.shape for n, p in zip(names, params)
+                      for k, t in optimizer["state"].get(n, {}).items())
+    if not (one_rank and None not in names and saved_order == names and set(optimizer["state"]) == set(names)
+            and same_groups and same_shapes):
         set_optimizer_state_dict(model, opt, optim_state_dict=optimizer, options=StateDictOptions(full_state_dict=True))
         return
 

@@ -171,6 +171,23 @@ def test_checkpoint_views_cost_no_host_copy(dtype):
     assert copy.untyped_storage().nbytes() == strided.numel() * strided.element_size()
 
 
+def test_checkpoint_writer_saves_sparse_and_nested_tensors(tmp_path):
+    """Sparse (COO, CSR) and nested tensors have no one storage (``storage_offset()`` raises on them): the
+    checkpoint writer leaves them to ``torch.save``, which writes their parts, as for a plain ``torch.save``.
+    Planted: the storage check run on them (``NotImplementedError: Cannot access storage of SparseTensorImpl``)."""
+    from patches.core.io import atomic_torch_save
+
+    torch.manual_seed(0)
+    state = {"coo": torch.randn(6, 6).to_sparse(), "csr": torch.randn(6, 6).to_sparse_csr(),
+             "nested": torch.nested.nested_tensor([torch.randn(3), torch.randn(4)]), "view": torch.arange(64.0)[8:16]}
+    atomic_torch_save(state, tmp_path / "s.pt")
+    back = torch.load(tmp_path / "s.pt", weights_only=False)
+    assert torch.equal(back["coo"].to_dense(), state["coo"].to_dense()) and back["coo"].is_sparse
+    assert torch.equal(back["csr"].to_dense(), state["csr"].to_dense()) and back["csr"].layout == torch.sparse_csr
+    assert all(torch.equal(a, b) for a, b in zip(back["nested"].unbind(), state["nested"].unbind()))
+    assert torch.equal(back["view"], state["view"]) and back["view"].untyped_storage().nbytes() == 32
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / statm: Linux")
 def test_release_file_pages_drops_mapped_pages_only(tmp_path):
     """A tensor read from ``torch.load(mmap=True)`` gives its pages back (RSS falls by its size, its values read
@@ -189,3 +206,20 @@ def test_release_file_pages_drops_mapped_pages_only(tmp_path):
     anon = torch.randn(1 << 22)
     kept = anon.clone()
     assert release_file_pages({"b": anon}) == 0 and torch.equal(anon, kept)
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="madvise / pagemap: Linux")
+def test_release_file_pages_keeps_pages_written_after_the_load(tmp_path):
+    """``torch.load(mmap=True)`` maps the file privately: a write after the load makes the page the process's own
+    copy (copy-on-write), and ``MADV_DONTNEED`` on it would drop the write and read the file's old values back.
+    Such pages are kept; the unwritten pages of the same tensor are still dropped. Planted: every whole page of
+    the tensor dropped (the values revert to the file's zeros)."""
+    from patches.core.io import release_file_pages
+
+    torch.save({"a": torch.zeros(1 << 20)}, tmp_path / "x.pt")  # 4 MiB of zeros
+    a = torch.load(tmp_path / "x.pt", mmap=True)["a"]
+    float(a.sum())  # every page read in from the file
+    a[: 1 << 18].add_(5)  # the first quarter written after the load
+    released = release_file_pages([a])
+    assert float(a[: 1 << 18].min()) == 5.0 and float(a.sum()) == 5.0 * (1 << 18)
+    assert (2 << 20) < released <= (3 << 20) + 8192  # the other three quarters went back

@@ -237,3 +237,71 @@ def test_one_rank_resume_holds_each_moment_once(tmp_path, monkeypatch):
 
 def to_plain(t):
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def test_one_rank_resume_takes_the_full_path_for_other_groups_or_shapes(tmp_path, monkeypatch):
+    """The in-place load (``load_host_state`` at world size 1) is taken only for a checkpoint of the same groups
+    and the parameters' shapes; otherwise torch's full-state path decides. Two saved groups over the one group of
+    this optimizer loaded as the saved two (``ValueError: loaded state dict has a different number of parameter
+    groups``), and a ``(1, n)`` moment saved for an ``(m, n)`` parameter was broadcast by ``copy_`` without a word.
+    A section without one tensor's state is refused there (in place it would start that tensor's moments afresh).
+    Planted: both checks dropped (the ValueError, and the fast path taken for the bad shape)."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint.state_dict as dsd
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from miles_ext.train import host_full_state, load_host_state
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def build(groups):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+            for unit in (*model, model):
+                fully_shard(unit, mesh=mesh)
+            ps = list(model.parameters())
+            opt = torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:], "lr": 5e-3}] if groups == 2 else ps,
+                                    lr=1e-2)
+            return model, opt
+
+        ref, ref_opt = build(2)
+        ref(torch.randn(2, 8)).sum().backward()
+        ref_opt.step()
+        _, two_groups = host_full_state(ref, ref_opt, dict(ref.named_parameters()))
+        two_groups = copy.deepcopy(two_groups)
+        full_path = []
+        real = dsd.set_optimizer_state_dict
+        monkeypatch.setattr(dsd, "set_optimizer_state_dict", lambda *a, **k: full_path.append(1) or real(*a, **k))
+
+        model, opt = build(1)
+        load_host_state(model, opt, dict(model.named_parameters()), copy.deepcopy(two_groups))
+        assert full_path and len(opt.param_groups) == 1
+        for a, b in zip(ref_opt.state.values(), opt.state.values()):
+            assert all(torch.equal(to_plain(a[k]), to_plain(b[k])) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+        model, opt = build(2)
+        full_path.clear()
+        load_host_state(model, opt, dict(model.named_parameters()), copy.deepcopy(two_groups))
+        assert not full_path  # the matching checkpoint: in place
+        bad = copy.deepcopy(two_groups)
+        bad["state"]["0.weight"]["exp_avg"] = bad["state"]["0.weight"]["exp_avg"][:1]  # (1, 8) for (8, 8)
+        model, opt = build(2)
+        try:
+            load_host_state(model, opt, dict(model.named_parameters()), bad)
+        except RuntimeError:
+            pass  # torch's path may refuse it at once
+        assert full_path
+        missing = copy.deepcopy(two_groups)
+        del missing["state"]["1.bias"]  # fresh moments for one tensor would be silent: torch's path refuses
+        model, opt = build(2)
+        full_path.clear()
+        with pytest.raises(Exception, match="1.bias"):
+            load_host_state(model, opt, dict(model.named_parameters()), missing)
+        assert full_path
+    finally:
+        dist.destroy_process_group()

@@ -104,6 +104,8 @@ def own_storage(obj: Any) -> Any:
 
     if torch.is_tensor(obj):
         t = obj.detach()
+        if t.layout != torch.strided or t.is_nested:  # sparse / nested: no one storage; torch.save writes their parts
+            return obj
         if not (t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
             return obj
         return _alias_own_bytes(t)
@@ -122,7 +124,7 @@ def _alias_own_bytes(t: Any) -> Any:
     contiguous CPU tensor, else a copy."""
     import torch
 
-    if t.device.type != "cpu" or not t.is_contiguous() or t.is_quantized or t.is_sparse:
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_quantized:
         return t.clone()
     stand_in = _NUMPY_STAND_IN.get(str(t.dtype).removeprefix("torch."))
     try:
@@ -156,6 +158,29 @@ def _file_backed_spans() -> list[tuple[int, int]]:
     return spans
 
 
+def _unwritten_runs(lo: int, hi: int, page: int) -> list[tuple[int, int]]:
+    """``(start, end)`` runs of the pages in ``[lo, hi)`` (page-aligned addresses) that hold no data of their own:
+    each is a page-cache page of its file, or not in memory at all (``/proc/self/pagemap``: "file-page" bit 61 set,
+    or neither "present" bit 63 nor "swapped" bit 62). A page of a private file mapping that was written holds the
+    process's own copy (copy-on-write, anonymous): dropping it would revert the written data to the file's, so such
+    pages end a run. Empty where pagemap cannot be read (nothing is then dropped)."""
+    import numpy as np
+
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(lo // page * 8)
+            raw = f.read((hi - lo) // page * 8)
+    except OSError:
+        return []
+    entry = np.frombuffer(raw, dtype=np.uint64)
+    if entry.size != (hi - lo) // page:
+        return []
+    own = ((entry >> np.uint64(61)) & np.uint64(1)) == 0
+    own &= ((entry >> np.uint64(62)) & np.uint64(3)) != 0  # present or swapped, and not a file page
+    edges = np.flatnonzero(np.diff(np.concatenate(([True], own, [True])).astype(np.int8)))
+    return [(lo + int(a) * page, lo + int(b) * page) for a, b in zip(edges[::2], edges[1::2])]
+
+
 def release_file_pages(tensors: Any) -> int:
     """Drop the resident pages of host tensors that are done being read and that view a file mapping
     (``torch.load(..., mmap=True)``); returns the bytes released.
@@ -164,8 +189,10 @@ def release_file_pages(tensors: Any) -> int:
     any tensor of that file does: resuming the 33 B H3 run kept the 1.29 GiB of read LoRA pages resident beside
     the arena they were copied into. ``madvise(MADV_DONTNEED)`` on a private file mapping drops the pages (a later
     read would fetch them from the file again). Only whole pages inside a tensor's own bytes and inside a private
-    file-backed mapping are dropped: anonymous memory, which ``MADV_DONTNEED`` would zero, is never touched.
-    Linux only; elsewhere nothing is released.
+    file-backed mapping are dropped: anonymous memory, which ``MADV_DONTNEED`` would zero, is never touched, and
+    neither is a page of the mapping that was written after the load (its private copy-on-write copy would be
+    dropped and the written values read back from the file: :func:`_unwritten_runs`). Linux only; elsewhere, or
+    without ``/proc/self/pagemap``, nothing is released.
     """
     import ctypes
     import sys
@@ -186,6 +213,8 @@ def release_file_pages(tensors: Any) -> int:
             continue
         lo = -(-t.data_ptr() // page) * page
         hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-        if hi > lo and any(a <= lo and hi <= b for a, b in spans) and libc.madvise(lo, hi - lo, 4) == 0:
-            released += hi - lo  # 4 = MADV_DONTNEED
+        if hi > lo and any(a <= lo and hi <= b for a, b in spans):
+            for a, b in _unwritten_runs(lo, hi, page):
+                if libc.madvise(a, b - a, 4) == 0:  # 4 = MADV_DONTNEED
+                    released += b - a
     return released
