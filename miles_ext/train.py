@@ -95,20 +95,19 @@ def host_full_state(model: torch.nn.Module, opt: torch.optim.Optimizer,
     return full, get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-
 def load_host_state(model: torch.nn.Module, opt: torch.optim.Optimizer, lora: dict[str, torch.Tensor],
                     optimizer: dict[str, Any]) -> None:
     """Load a checkpoint's optimizer section (:func:`host_full_state`'s layout) into ``opt``.
 
-    At world size 1, when the section holds state for exactly ``lora``'s tensors in ``opt``'s order and groups, and
-    each saved moment has its parameter's shape, each saved moment is copied into a fresh tensor shaped like its parameter (a
-    DTensor with its mesh and placements) on the parameter's device, one at a time, and a saved moment read from a
-    file mapping (``torch.load(..., mmap=True)``) has its pages dropped once copied
+    At world size 1, when the section holds state for exactly ``lora``'s tensors in ``opt``'s order and groups,
+    and each saved moment has its parameter's shape, each saved moment is copied into a fresh tensor shaped like
+    its parameter (a DTensor with its mesh and placements) on the parameter's device, one at a time, and a saved
+    moment read from a file mapping (``torch.load(..., mmap=True)``) has its pages dropped once copied
     (:func:`patches.core.io.release_file_pages`): the host then holds each moment once, as in a run from scratch.
-    The full-state path (``set_optimizer_state_dict``) first sends every host moment to the mesh's GPU and copies it
-    back: the 33 B resume under full offload peaked at 75.4 GiB (80.9 GB, H200, LoRA r64) against 69.1 GiB for a run
-    from scratch. Otherwise, and with more ranks, that path is taken (it refuses a section without state for
-    every tensor, where fresh moments would be silent).
+    The full-state path (``set_optimizer_state_dict``) first sends every host moment to the mesh's GPU and copies
+    it back: the 33 B resume under full offload peaked at 75.4 GiB (80.9 GB, H200, LoRA r64) against 69.1 GiB for
+    a run from scratch. Otherwise, and with more ranks, that path is taken (it refuses a section without state
+    for every tensor, where fresh moments would be silent).
     """
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -144,6 +143,7 @@ def load_host_state(model: torch.nn.Module, opt: torch.optim.Optimizer, lora: di
         groups.append({**g, "params": list(range(first, first + len(g["params"])))})
         first += len(g["params"])
     opt.load_state_dict({"state": state, "param_groups": groups})
+
 
 @dataclasses.dataclass
 class H3SFTConfig:

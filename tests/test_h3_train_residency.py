@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from miles_ext.train import main
+from patches.core.runtime import to_local
 
 STEP = ["--preset", "tiny", "--rollout-batch-size", "2", "--num-steps-per-rollout", "1", "--from-gpus", "1",
         "--fsdp-master-dtype", "bf16"]
@@ -230,13 +231,9 @@ def test_one_rank_resume_holds_each_moment_once(tmp_path, monkeypatch):
         for (n, a), b in zip(ref.named_parameters(), model.parameters()):
             assert torch.equal(a.to_local(), b.to_local()), n
         for a, b in zip(ref_opt.state.values(), opt.state.values()):
-            assert all(torch.equal(to_plain(a[k]), to_plain(b[k])) for k in ("step", "exp_avg", "exp_avg_sq"))
+            assert all(torch.equal(to_local(a[k]), to_local(b[k])) for k in ("step", "exp_avg", "exp_avg_sq"))
     finally:
         dist.destroy_process_group()
-
-
-def to_plain(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def test_one_rank_resume_takes_the_full_path_for_other_groups_or_shapes(tmp_path, monkeypatch):
@@ -282,7 +279,7 @@ def test_one_rank_resume_takes_the_full_path_for_other_groups_or_shapes(tmp_path
         load_host_state(model, opt, dict(model.named_parameters()), copy.deepcopy(two_groups))
         assert full_path and len(opt.param_groups) == 1
         for a, b in zip(ref_opt.state.values(), opt.state.values()):
-            assert all(torch.equal(to_plain(a[k]), to_plain(b[k])) for k in ("step", "exp_avg", "exp_avg_sq"))
+            assert all(torch.equal(to_local(a[k]), to_local(b[k])) for k in ("step", "exp_avg", "exp_avg_sq"))
 
         model, opt = build(2)
         full_path.clear()
