@@ -42,8 +42,8 @@ The memory model (:func:`plan_resident_blocks`), bytes on the GPU, every term st
 
 The two activation terms are checked against the all-resident H200 runs of ``benchmarks/h3_1gpu.py`` (full
 preset, LoRA r64, bf16; ``tests/equivalence/test_h3_residency.py`` reads the committed results): the GPU peak
-rises 893.9 KB per packed row from 576 to 24,290 rows (a straight line within 0.01 GiB), and the model says
-892.4 KB; everything but the reserve is modelled 0.42 GiB under the measured peak at every size. The first
+rises 892.4 KB per packed row from 576 to 24,290 rows (least squares; a straight line within 0.013 GiB), and
+the model says 892.4 KB; everything but the reserve is modelled 0.42 GiB under the measured peak at every size. The first
 version of this model kept the block inputs in fp32 "to be safe" and the working set without its gradients:
 9.6 GiB over at 24,290 rows, where it refused a 40 GB budget that fits.
 

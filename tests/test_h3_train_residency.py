@@ -224,6 +224,7 @@ def test_one_rank_resume_holds_each_moment_once(tmp_path, monkeypatch):
             raise AssertionError("full-state load path at world size 1")
 
         monkeypatch.setattr(dsd, "set_optimizer_state_dict", full_path)
+        monkeypatch.setattr("miles_ext.train.RELEASE_EVERY_BYTES", 5 << 19)  # chunks inside the loop and a last one
         load_host_state(model, opt, dict(model.named_parameters()), ck["optimizer"])
         moments = sum(t.numel() * 4 for st in opt.state.values() for k, t in st.items() if k != "step")
         assert moments > 3 << 20 and file_rss(tmp_path / "ck.pt") < 64 << 10  # edges of pages only
