@@ -105,3 +105,16 @@ def write_together(files: Mapping[str | os.PathLike, str]) -> None:
         handles = [(stack.enter_context(atomic_open(p, "w", encoding="utf-8")), text) for p, text in files.items()]
         for f, text in handles:
             f.write(text)
+
+
+def result_stem(recipe: str, what: str, device: str, smoke: bool = False) -> str:
+    """The results' one naming scheme, ``<date>_<recipe>_<gpu>_<what>`` (``2026-11-30_cosmos_h200_edge24gb``): today's
+    date (UTC), the recipe (``cosmos``, ``h3``, ``upstream``), the GPU as a short lower-case name from ``device``
+    (``NVIDIA H200`` -> ``h200``; ``cpu``), and what was measured; a CPU smoke ends in ``-smoke``."""
+    import datetime
+    import re
+
+    words = [w for w in re.split(r"[^a-z0-9]+", device.lower()) if w and w not in ("nvidia", "geforce", "tesla")]
+    gpu = words[0] if words else "cpu"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return f"{date}_{recipe}_{gpu}_{what}{'-smoke' if smoke else ''}"

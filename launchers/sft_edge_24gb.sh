@@ -84,7 +84,7 @@ if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
   export IMAGINAIRE_OUTPUT_ROOT="${IMAGINAIRE_OUTPUT_ROOT:-$OUTPUT_ROOT}"
   mkdir -p "$OUTPUT_ROOT"
   upstream_toml="$(mktemp "${OUTPUT_ROOT%/}/.onecard-$(basename "$TOML_FILE" .toml)-XXXXXX.toml")"
-  "$PYTHON" -m cosmos_framework_ext.config upstream-toml "$TOML_FILE" "$upstream_toml" || { rm -f "$upstream_toml"; exit 2; }
+  "$PYTHON" -m cosmos_framework_ext.recipe.config upstream-toml "$TOML_FILE" "$upstream_toml" || { rm -f "$upstream_toml"; exit 2; }
   "$PYTHON" -m patches check >/dev/null || { rm -f "$upstream_toml"; exit 2; }  # flags + targets, one error line
   read -r -a overrides <<< "${TAIL_OVERRIDES:-}"
   trainer_flags=()
@@ -99,7 +99,7 @@ if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
     ${trainer_flags[@]+"${trainer_flags[@]}"} ${overrides[@]+-- "${overrides[@]}"}
 fi
 
-train=(-m cosmos_framework_ext.train --sft-toml="$TOML_FILE" "$@")
+train=(-m cosmos_framework_ext.recipe.train --sft-toml="$TOML_FILE" "$@")
 # Check every input once in this process first (prints the memory ledger): the TOML, flags and paths,
 # OUTPUT_ROOT writable, BASE_CHECKPOINT_PATH's header, WAN_VAE_PATH's config, every dataset row and video, and
 # a resume's settings against the checkpoint's. Bad input then ends with the trainer's one error line and exit

@@ -5,7 +5,7 @@
 #
 # With MILES_DIFFUSION_ROOT (a miles-diffusion checkout) upstream's train_diffusion.py runs with the trailing
 # arguments, its FSDP application patched when MILES_ONECARD_FSDP=1 (see patches/miles_table.py).
-# Without MILES_DIFFUSION_ROOT the embedded reference trainer runs (python -m miles_ext.train): the tiny
+# Without MILES_DIFFUSION_ROOT the embedded reference trainer runs (python -m miles_ext.recipe.train): the tiny
 # preset on a machine without a GPU, the full 33 B preset on a GPU. Recipe defaults: rollout batch 32, 1
 # sample per prompt, 4 optimizer steps per rollout (global batch 8), micro-batch 1, LoRA rank 64 / alpha
 # 128, the 8-GPU schedule replayed by grad accumulation (FROM_GPUS, default 8), --fsdp-cpu-offload with
@@ -19,12 +19,12 @@
 # the same --num-rollout it says there is nothing to do.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -n "${MILES_DIFFUSION_ROOT:-}" ]]; then
   # An upstream miles-diffusion checkout: its own train_diffusion.py with the trailing arguments (upstream's flags;
   # start Ray yourself, as upstream's MILES_SCRIPT_EXTERNAL_RAY=1 path expects). patches/miles_site on PYTHONPATH
   # arms the miles patch table in every process, Ray actors included (patches/miles_hook.py), when
   # MILES_ONECARD_FSDP=1 (and MILES_RESIDENT_BLOCKS, MILES_GPU_BUDGET_GIB) are set.
-  here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
   for v in RESIDENT_BLOCKS FROM_GPUS; do
     if [[ -n "${!v:-}" ]]; then
       echo "error: $v applies to the embedded trainer, not to an upstream checkout (MILES_DIFFUSION_ROOT is set):" \
@@ -53,24 +53,12 @@ if [[ ! "$from" =~ ^[0-9]+$ ]]; then
   echo "error: FROM_GPUS=$from is not a whole number" >&2
   exit 2
 fi
-resident="${RESIDENT_BLOCKS:-auto}"
-resident="${resident,,}"
-if [[ ! "$resident" =~ ^([0-9]+|auto|none)$ ]]; then
-  echo "error: RESIDENT_BLOCKS=$RESIDENT_BLOCKS: use auto, a whole number of blocks, or none (every block offloaded)" >&2
-  exit 2
-fi
-given=0  # the trainer's own --fsdp-resident-blocks among the trailing arguments
-for a in "$@"; do [[ "$a" == --fsdp-resident-blocks || "$a" == --fsdp-resident-blocks=* ]] && given=1; done
-if (( given )) && [[ -n "${RESIDENT_BLOCKS:-}" ]]; then
-  echo "error: RESIDENT_BLOCKS=$RESIDENT_BLOCKS and --fsdp-resident-blocks both given: keep one" >&2
-  exit 2
-fi
+# RESIDENT_BLOCKS (auto | N | none) becomes trainer flags through the one residency resolver (miles_ext.levers.residency):
+# on a GPU --fsdp-cpu-offload and --fsdp-resident-blocks; refused in one line when bad or given twice.
+offload_out="$(cd "$here" && "$PYTHON" -m miles_ext.levers.residency launcher-args "$@")" || exit 2
 offload=()
-if "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  offload=(--fsdp-cpu-offload)
-  [[ "$resident" != none ]] && (( ! given )) && offload+=(--fsdp-resident-blocks "$resident")
-fi
+[[ -n "$offload_out" ]] && mapfile -t offload <<< "$offload_out"
 export PYTHONUNBUFFERED=1
-exec "$PYTHON" -m miles_ext.train --from-gpus "$from" --fsdp-master-dtype bf16 "${offload[@]}" \
+exec "$PYTHON" -m miles_ext.recipe.train --from-gpus "$from" --fsdp-master-dtype bf16 ${offload[@]+"${offload[@]}"} \
   --output-dir "${OUTPUT_ROOT:-outputs}/h3_t2va_sft" ${DATASET_PATH:+--data-dir "$DATASET_PATH"} \
   ${BASE_CHECKPOINT_PATH:+--base-checkpoint-path "$BASE_CHECKPOINT_PATH"} "$@"

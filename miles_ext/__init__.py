@@ -1,9 +1,10 @@
-"""onecard's port of the miles-diffusion MiniMax-H3 LoRA SFT recipe to one GPU.
+"""onecard for radixark miles-diffusion's MiniMax-H3 LoRA SFT on one GPU: its levers, its recipe, and what the patch
+table names.
 
-Modules: ``presets`` (full / tiny H3), ``h3_inputs`` (packed forward inputs), ``lora`` (PEFT adapters),
-``fsdp_policy`` (FSDP2 wrapping, master dtype, grad clipping), ``sft`` (the SFT micro-batch: seeding, noising,
-loss_sum), ``recipe`` (N-GPU -> 1-GPU argument translation, pair schedule, stable hash), ``text_encoder``
-(MiniLM captions), ``train`` (the embedded trainer: ``H3SFTConfig`` flags, ``H3SFTRecipe`` in the
-``patches.core.trainer`` skeleton) and ``export_lora`` (checkpoint -> PEFT / diffusers adapter). From
-``patches`` they import ``patches.core`` only.
+- :mod:`.levers`   -- ``fsdp_policy`` (FSDP2, bf16 master, CPU offload), ``lora`` (fp32 adapters), ``pinned`` (exact
+  pinned arena), ``residency`` (partial residency, the one resolver), ``h2d_prefetch``, ``fast_init`` (low-RAM init),
+  ``finite_step`` (non-finite step skip), ``host_checkpoint``; each imports ``patches.core`` and other levers only.
+- :mod:`.recipe`   -- presets, packed inputs, latents, text encoder, the SFT step, the 8->1 schedule and its
+  translator, the clip/caption data, the embedded trainer (``train``) and the adapter export.
+- :mod:`.upstream` -- the implementations ``patches/miles_table.py`` names by import string for a real checkout.
 """

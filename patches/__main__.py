@@ -1,7 +1,8 @@
 """``python -m patches status``: which lever flags are on, and what they act on in this process.
 
 Both upstreams are reported: cosmos-framework's flags and, with ``COSMOS_FRAMEWORK_ROOT``, its patch targets;
-miles-diffusion's flags and, with ``MILES_DIFFUSION_ROOT``, its patch targets. Exit status 2 with an ``error:``
+miles-diffusion's flags and, with ``MILES_DIFFUSION_ROOT``, its patch targets; then the torch internals the H3 FSDP2
+levers touch (:mod:`patches.core.torch_internals`; a mismatch there is reported, and refused when a lever needs it). Exit status 2 with an ``error:``
 line when a flag holds a value it does not accept, a root is not a checkout, or a patch target does not match
 the supported upstream commits.
 """
@@ -48,6 +49,12 @@ def status() -> int:
         print(f"torch {torch.__version__}; GPU: {cuda}; pinned by onecard in this process: {pinned_bytes_total()} B")
     except ImportError:
         print("torch: not installed")
+        return code
+    from .core import torch_internals
+
+    print(f"torch internals the H3 FSDP2 levers touch ({torch_internals.SUPPORTED} supported)")
+    for name, target, state in torch_internals.status():
+        print(f"  {name:<32} {target}: {state if state == 'ok' else 'MISMATCH: ' + state}")
     return code
 
 
@@ -99,7 +106,7 @@ def _root_problem(var: str, root: str) -> str:
 
 def _table_status(values: dict[str, bool | str], root: str, ps) -> int:
     """Check every target of the patch set ``ps`` in the checkout at ``root`` and print one line each."""
-    from .guard import UpstreamMismatch
+    from .core.errors import UpstreamMismatch
 
     sys.path.insert(0, root)
     print(f"target: upstream checkout {root} ({ps.supported} supported)")
@@ -130,7 +137,7 @@ def check() -> int:
     that is set (``COSMOS_FRAMEWORK_ROOT``, ``MILES_DIFFUSION_ROOT``) must be a checkout, whether or not a flag is on.
     With ``MILES_DIFFUSION_ROOT`` and ``MILES_ONECARD_FSDP=1`` the miles table is applied here too.
     """
-    from .guard import UpstreamMismatch
+    from .core.errors import UpstreamMismatch
     from .run import apply_from_env
 
     try:

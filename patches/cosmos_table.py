@@ -1,7 +1,7 @@
 """The patch table for NVIDIA cosmos-framework (targets at upstream commits ed8287f and 5eee9ed).
 
-Implementations live in :mod:`cosmos_framework_ext.upstream` (levers) and
-:mod:`cosmos_framework_ext.upstream_attention` (``COSMOS_ATTN_BACKEND=torch``), named here by import string and
+Implementations live in :mod:`cosmos_framework_ext.upstream.patches` (levers) and
+:mod:`cosmos_framework_ext.upstream.attention` (``COSMOS_ATTN_BACKEND=torch``), named here by import string and
 imported only when a flag asks for them; this table says WHERE (target and its expected signature) and WHEN
 (the flag).
 
@@ -19,7 +19,7 @@ from .guard import Patch, PatchSet
 SUPPORTED = "cosmos-framework ed8287f (2026-07-21) and 5eee9ed (2026-08-21)"
 _MODEL = "cosmos_framework.model.generator.omni_mot_model:OmniMoTModel"
 _DCP = "cosmos_framework.checkpoint.dcp:ModelWrapper"
-_IMPL = "cosmos_framework_ext.upstream"
+_IMPL = "cosmos_framework_ext.upstream.patches"
 _ATTN = "cosmos_framework.model.attention.frontend"
 _OPTIM = "cosmos_framework.utils.generator.optimizer"  # _optimizer_cls: the one place both commits build AdamW
 _CHOOSE_BACKEND = ("query_shape", "key_shape", "value_shape", "dtype", "device", "requires_grad", "is_causal",
@@ -43,7 +43,7 @@ PATCHES = [
     Patch("optim.state_offload", OPTIM_STATE_OFFLOAD, f"{_OPTIM}:_optimizer_cls",
           (("params", "optimizer_type", "optimizer_kwargs"),), f"{_IMPL}:patched_optimizer_cls"),
     Patch("attention.choose_backend", ATTN_BACKEND, f"{_ATTN}:choose_backend", (_CHOOSE_BACKEND,),
-          "cosmos_framework_ext.upstream_attention:patched_choose_backend"),
+          "cosmos_framework_ext.upstream.attention:patched_choose_backend"),
 ]
 
 

@@ -1,7 +1,7 @@
 """Guarded monkeypatches: replace an upstream function only after checking it is the one we expect.
 
 A :class:`Patch` names its target as ``"package.module:Class.attr"``, the parameter names the target
-must have, and its implementation as an import string (``"cosmos_framework_ext.upstream:factory"``),
+must have, and its implementation as an import string (``"cosmos_framework_ext.upstream.patches:factory"``),
 resolved only when the patch is applied: ``patches`` imports no recipe package at module level. :meth:`PatchSet.apply` imports each target, compares its signature, and only then installs
 the replacement; a missing target or a changed signature raises :class:`UpstreamMismatch` naming the
 target, what was found, and the upstream commits this version supports -- before anything is patched
@@ -16,14 +16,11 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+from .core.errors import UpstreamMismatch
 from .core.flags import ChoiceFlag, Flag
 
 MARK = "_onecard_patch"
 """Attribute set on every installed replacement: the patch's name."""
-
-
-class UpstreamMismatch(RuntimeError):
-    """A patch target is missing or has another signature than the supported upstream commits have."""
 
 
 def resolve(spec: str) -> Any:

@@ -1,6 +1,6 @@
 """``python -m patches.ledger --toml RECIPE.toml --budget-gib 22.06``: will this run fit the card?
 
-The recipe's own ledger does the counting (``cosmos_framework_ext.ledger``, resolved by import string
+The recipe's own ledger does the counting (``cosmos_framework_ext.recipe.ledger``, resolved by import string
 when this command runs, so ``patches`` imports no recipe at module level); the table format lives in
 :mod:`patches.core.ledger`. It builds the model on the meta device (nothing is allocated), itemises
 every component's predicted GPU and host bytes, totals them against the budget and says whether the run
@@ -16,7 +16,7 @@ import sys
 
 from .guard import resolve
 
-RECIPE_LEDGER_CLI = "cosmos_framework_ext.ledger:main"
+RECIPE_LEDGER_CLI = "cosmos_framework_ext.recipe.ledger:main"
 """Import string of the command line that sizes a recipe TOML."""
 
 

@@ -7,7 +7,7 @@ and ``MILES_ONECARD_FSDP`` are set. :func:`install_hook` adds a ``sys.meta_path`
 ``miles.backends.fsdp_utils.model_loader`` has been executed (it imports ``checkpoint`` itself), applies
 :func:`patches.miles_table.patch_set` with the flags of the environment -- so nothing upstream is imported early
 and a process that never builds a model (the Ray head, the rollout side) is not touched. A mismatch raises
-:class:`patches.guard.UpstreamMismatch` from that import, naming the target.
+:class:`patches.patches.core.errors.UpstreamMismatch` from that import, naming the target.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ attributes reaches it. ``parallel.py`` @ 09ab3b27 (``create_fsdp_parallel_state`
 and ``model_backend.py`` @ 09ab3b27 / d431a238 (``load_component``) are read but not patched: see the notes on
 low-RAM init in the README.
 
-Implementations live in :mod:`miles_ext.upstream`, named by import string and imported only when a flag asks.
+Implementations live in :mod:`miles_ext.upstream.patches`, named by import string and imported only when a flag asks.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .guard import Patch, PatchSet
 SUPPORTED = ("miles-diffusion model_loader.py@2f59a1e6/@371fd61f and checkpoint.py@3636bdd7 "
              "(radixark/miles_diffusion, miles/backends/fsdp_utils)")
 _FSDP = "miles.backends.fsdp_utils"
-_IMPL = "miles_ext.upstream"
+_IMPL = "miles_ext.upstream.patches"
 
 PATCHES = [
     Patch("fsdp.apply_fsdp2", MILES_ONECARD_FSDP, f"{_FSDP}.model_loader:apply_fsdp2",

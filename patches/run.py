@@ -16,7 +16,7 @@ import runpy
 import sys
 
 from .core import flags
-from .guard import UpstreamMismatch
+from .core.errors import UpstreamMismatch
 
 
 def apply_from_env() -> list[str]:

@@ -15,8 +15,9 @@ from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-from cosmos_framework_ext.data import CaptionTokenizer, prepare_sample_dataset  # noqa: E402
-from cosmos_framework_ext.presets import get_preset  # noqa: E402
+from cosmos_framework_ext.recipe.data import CaptionTokenizer
+from patches.core.data.sample_dataset import prepare_sample_dataset  # noqa: E402
+from cosmos_framework_ext.recipe.presets import get_preset  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:

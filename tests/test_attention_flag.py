@@ -20,7 +20,8 @@ import torch
 
 from patches.core import flags
 from patches.core.flags import ATTN_BACKEND, Choice, ChoiceFlag, FlagError
-from patches.guard import MARK, UpstreamMismatch, resolve
+from patches.core.errors import UpstreamMismatch
+from patches.guard import MARK, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "cosmos_framework.model.attention.frontend:choose_backend"
@@ -185,7 +186,7 @@ def test_unset_flag_leaves_the_frontend_untouched(frontend):
 
 def test_flag_on_routes_every_importer_to_torch_and_revert_restores(frontend):
     from cosmos_framework.model.attention import attention as bound_before_the_patch
-    from cosmos_framework_ext.upstream_attention import torch_attention
+    from cosmos_framework_ext.upstream.attention import torch_attention
     from patches.cosmos_table import patch_set
 
     before, backends = frontend.choose_backend, dict(frontend.BACKEND_MAP)

@@ -6,8 +6,8 @@ written, no traceback -- and the check runs before anything expensive.
   UserError from the patched ``apply_fsdp2``);
 - digits that are not ASCII (``'³'.isdigit()`` is True, ``int('³')`` fails) in every whole-number parser;
 - ``patches status`` shows ``MILES_RESIDENT_BLOCKS``'s real value;
-- ``miles_ext.train --gpu-budget-gib inf``;
-- ``miles_ext.export_lora``: NaN adapters, an out path that is a file / under a file / read-only / on a full disk;
+- ``miles_ext.recipe.train --gpu-budget-gib inf``;
+- ``miles_ext.recipe.export_lora``: NaN adapters, an out path that is a file / under a file / read-only / on a full disk;
 - the latent cache: disk full, a read-only shard folder, a directory where an entry belongs, a file where a shard
   folder belongs, ``ONECARD_LATENT_CACHE`` naming a file; a directory passed where a file belongs;
 - the ledger / ``DRYRUN=1`` refuse ``COSMOS_FROZEN_BF16=1`` with the stock EMA as the trainer does;
@@ -100,7 +100,7 @@ def test_launcher_checks_the_budget_before_upstream_starts(tmp_path):
 
 
 def test_sync_h2d_without_partial_residency_is_refused(tmp_path, capsys):
-    from miles_ext.train import main
+    from miles_ext.recipe.train import main
 
     for extra in ([], ["--fsdp-cpu-offload"]):
         rc = main(["--preset", "tiny", "--validate-only", "--fsdp-sync-h2d", "--output-dir", str(tmp_path / "o"),
@@ -112,7 +112,7 @@ def test_sync_h2d_without_partial_residency_is_refused(tmp_path, capsys):
 def test_launcher_refuses_a_bad_resident_blocks_value(tmp_path):
     launcher = ["bash", str(REPO / "launchers" / "sft_h3_t2va_1gpu.sh"), "--output-dir", str(tmp_path / "out")]
     for bad in ("x", "-1", "2.5"):
-        _one_error(_run(launcher, RESIDENT_BLOCKS=bad), f"RESIDENT_BLOCKS={bad}")
+        _one_error(_run(launcher, RESIDENT_BLOCKS=bad), f"RESIDENT_BLOCKS={bad!r}")
     _one_error(_run(launcher + ["--fsdp-resident-blocks", "3"], RESIDENT_BLOCKS="2"), "keep one")
     root = tmp_path / "miles_diffusion"
     shutil.copytree(FAKE, root)
@@ -122,17 +122,17 @@ def test_launcher_refuses_a_bad_resident_blocks_value(tmp_path):
 
 
 def test_resident_blocks_above_the_block_count_is_a_one_line_user_error(capsys):
-    from miles_ext.tiny_run import make_lora_model
-    from miles_ext.upstream import patched_apply_fsdp2, resident_count
+    from tests.equivalence.h3_tiny_run import make_lora_model
+    from miles_ext.upstream.patches import patched_apply_fsdp2, resident_indices
     from patches.core.errors import UserError
 
     model = make_lora_model(seed=0)
     no_split = ["MiniMaxH3TransformerBlock", "MiniMaxH3TokenRefinerBlock", "MiniMaxH3AdaLayerNormOut"]
     with pytest.raises(UserError, match=r"MILES_RESIDENT_BLOCKS=999 but this model has \d+ FSDP blocks") as e:
-        resident_count(model, no_split, "999")
+        resident_indices(model, no_split, "999")
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match="MILES_GPU_BUDGET_GIB='inf'"):
-        resident_count(model, no_split, "auto", {"MILES_GPU_BUDGET_GIB": "inf"})
+        resident_indices(model, no_split, "auto", {"MILES_GPU_BUDGET_GIB": "inf"})
     apply = patched_apply_fsdp2(lambda *a, **k: None)
     plan = SimpleNamespace(no_split_modules=no_split, param_dtype_patterns={})
     os.environ["MILES_RESIDENT_BLOCKS"] = "999"
@@ -147,22 +147,21 @@ def test_resident_blocks_above_the_block_count_is_a_one_line_user_error(capsys):
 
 # ------------------------------------------------------------------ 2. digits that are not ASCII
 def test_non_ascii_digits_are_refused_everywhere(tmp_path):
-    from miles_ext.residency import parse_resident_blocks
     from patches.core.errors import UserError
-    from patches.core.flags import MILES_RESIDENT_BLOCKS, FlagError, is_whole_number
+    from patches.core.flags import MILES_RESIDENT_BLOCKS, FlagError, is_whole_number, parse_resident_blocks
 
     assert "³".isdigit() and not is_whole_number("³") and not is_whole_number("٣") and is_whole_number("07")
     with pytest.raises(FlagError, match="MILES_RESIDENT_BLOCKS='³'"):
         MILES_RESIDENT_BLOCKS.value({"MILES_RESIDENT_BLOCKS": "³"})
     with pytest.raises(UserError, match="--fsdp-resident-blocks '³'"):
-        parse_resident_blocks("³")
+        parse_resident_blocks("³", "--fsdp-resident-blocks")
     _one_error(_run([sys.executable, "-m", "patches", "status"], MILES_ONECARD_FSDP="1", MILES_RESIDENT_BLOCKS="³"),
                "MILES_RESIDENT_BLOCKS")
     _one_error(_run([sys.executable, "-m", "patches.core.ports", "check", "MASTER_PORT", "³"]), "MASTER_PORT")
     out = tmp_path / "run"
-    _one_error(_run([sys.executable, "-m", "miles_ext.train", "--fsdp-cpu-offload", "--fsdp-resident-blocks", "³",
+    _one_error(_run([sys.executable, "-m", "miles_ext.recipe.train", "--fsdp-cpu-offload", "--fsdp-resident-blocks", "³",
                      "--validate-only", "--output-dir", str(out)]), "--fsdp-resident-blocks")
-    _one_error(_run([sys.executable, "-m", "miles_ext.train", "--validate-only", "--output-dir", str(out)],
+    _one_error(_run([sys.executable, "-m", "miles_ext.recipe.train", "--validate-only", "--output-dir", str(out)],
                     MASTER_PORT="٣٣"), "MASTER_PORT")
     assert not out.exists()
 
@@ -179,7 +178,7 @@ def test_status_shows_the_resident_blocks_value(value, shown):
 @pytest.mark.parametrize("budget", ["inf", "nan"])
 def test_h3_trainer_refuses_a_non_finite_budget(tmp_path, budget):
     out = tmp_path / "run"
-    _one_error(_run([sys.executable, "-m", "miles_ext.train", "--fsdp-cpu-offload", "--fsdp-resident-blocks", "auto",
+    _one_error(_run([sys.executable, "-m", "miles_ext.recipe.train", "--fsdp-cpu-offload", "--fsdp-resident-blocks", "auto",
                      "--gpu-budget-gib", budget, "--output-dir", str(out)]), "--gpu-budget-gib", "finite")
     assert not out.exists()
 
@@ -199,13 +198,13 @@ def _checkpoint(path: Path, bad: bool = False) -> Path:
 def test_export_refuses_nan_adapters(tmp_path):
     bad = _checkpoint(tmp_path / "bad.pt", bad=True)
     before = _tree(tmp_path)
-    _one_error(_run([sys.executable, "-m", "miles_ext.export_lora", str(bad), str(tmp_path / "o1"), "--comfyui"]),
+    _one_error(_run([sys.executable, "-m", "miles_ext.recipe.export_lora", str(bad), str(tmp_path / "o1"), "--comfyui"]),
                "NaN/inf", "lora_B", "damaged")
     assert _tree(tmp_path) == before
 
 
 def test_export_refuses_bad_paths(tmp_path, capsys):
-    from miles_ext import export_lora
+    from miles_ext.recipe import export_lora
 
     good = _checkpoint(tmp_path / "good.pt")
     (tmp_path / "afile").write_text("x")
@@ -224,7 +223,7 @@ def test_export_write_failure_is_one_line_and_leaves_nothing(tmp_path, monkeypat
     import safetensors.torch
     import tempfile
 
-    from miles_ext import export_lora
+    from miles_ext.recipe import export_lora
 
     good = _checkpoint(tmp_path / "good.pt")
     before = _tree(tmp_path)
@@ -248,7 +247,7 @@ def test_export_write_failure_is_one_line_and_leaves_nothing(tmp_path, monkeypat
 # ------------------------------------------------------------------ 6. the latent cache
 @pytest.fixture()
 def cache(tmp_path):
-    from cosmos_framework_ext import latent_cache as lc
+    from cosmos_framework_ext.levers import latent_cache as lc
 
     video = tmp_path / "clip.mp4"
     video.write_bytes(b"not really a video")
@@ -263,7 +262,7 @@ def test_latent_cache_write_failures_are_one_line(cache, monkeypatch, fault):
 
     import safetensors.torch
 
-    from cosmos_framework_ext import latent_cache as lc
+    from cosmos_framework_ext.levers import latent_cache as lc
 
     c, item, path = cache
     if fault == "disk-full":
@@ -296,12 +295,12 @@ def test_latent_cache_folder_that_is_a_file_and_toml_that_is_a_directory(tmp_pat
     toml = REPO / "toml" / "vision_sft_edge_24gb.toml"
     afile = tmp_path / "afile"
     afile.write_text("x")
-    cli = [sys.executable, "-m", "cosmos_framework_ext.latent_cache", "--no-progress"]
+    cli = [sys.executable, "-m", "cosmos_framework_ext.recipe.prepass", "--no-progress"]
     _one_error(_run(cli + ["--toml", str(toml)], ONECARD_LATENT_CACHE=str(afile)),
                "is a file, not a folder", "ONECARD_LATENT_CACHE")
     _one_error(_run(cli + ["--toml", str(tmp_path)]), "is a directory, not a file")
     out = tmp_path / "out"
-    _one_error(_run([sys.executable, "-m", "cosmos_framework_ext.train", "--sft-toml", str(toml), "--validate-only"],
+    _one_error(_run([sys.executable, "-m", "cosmos_framework_ext.recipe.train", "--sft-toml", str(toml), "--validate-only"],
                     COSMOS_LATENT_CACHE="1", ONECARD_LATENT_CACHE=str(afile), OUTPUT_ROOT=str(out)),
                "is a file, not a folder")
     _one_error(_run([sys.executable, "-m", "patches.ledger", "--toml", str(tmp_path)]), "is a directory, not a file")
@@ -314,9 +313,11 @@ def test_trainer_prepass_write_failure_is_one_line(tmp_path, monkeypatch, sample
     """What the trainer (and the CLI) call: run_prepass over the tiny VAE, with a full disk."""
     import safetensors.torch
 
-    from cosmos_framework_ext import latent_cache as lc
-    from cosmos_framework_ext.data import load_records
-    from cosmos_framework_ext.presets import build_vae, get_preset
+    from cosmos_framework_ext.levers import latent_cache as lc
+    from cosmos_framework_ext.recipe.data import cache_items
+    from cosmos_framework_ext.recipe.presets import build_vae, get_preset
+    from cosmos_framework_ext.recipe.vae import online_latent
+    from patches.core.data.rows import load_records
 
     def save_file(*a, **k):
         raise safetensors.SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
@@ -324,18 +325,19 @@ def test_trainer_prepass_write_failure_is_one_line(tmp_path, monkeypatch, sample
     tiny = get_preset("tiny")
     torch.manual_seed(0)
     vae = build_vae(tiny)
-    from cosmos_framework_ext.data import SampleRecord
+    from patches.core.data.rows import SampleRecord
 
     r = load_records(sample_dataset)[0]
     rec = SampleRecord(0, 1, r.video, r.video_path, "a", r.fps, r.width, r.height, ((0, 5),))
     with pytest.raises(lc.LatentCacheError, match="latent cache folder .* disk is full"):
-        lc.run_prepass(vae, torch.device("cpu"), [rec], tiny, progress=False, root=tmp_path / "latents")
+        lc.run_prepass(vae, torch.device("cpu"), cache_items([rec], tiny), encode=online_latent, progress=False,
+                       root=tmp_path / "latents")
     assert not [p for p in (tmp_path / "latents").rglob("*") if p.is_file()]
 
 
 # ------------------------------------------------------------------ 7. the ledger refuses what the trainer refuses
 def test_ledger_and_dryrun_refuse_frozen_bf16_with_the_stock_ema():
-    from cosmos_framework_ext.frozen_bf16 import check_with_ema
+    from cosmos_framework_ext.levers.frozen_bf16 import check_with_ema
     from patches.core.errors import UserError
 
     with pytest.raises(UserError) as e:
@@ -349,7 +351,7 @@ def test_ledger_and_dryrun_refuse_frozen_bf16_with_the_stock_ema():
 
 
 def test_frozen_bf16_no_effect_message_says_the_real_reason():
-    from cosmos_framework_ext.train import CosmosSFT
+    from cosmos_framework_ext.recipe.train import CosmosSFT
 
     def why(device: str, precision: str) -> str:
         fake = SimpleNamespace(device=torch.device(device), cfg=SimpleNamespace(model=SimpleNamespace(precision=precision)))
@@ -377,7 +379,7 @@ def test_check_applies_the_miles_table_of_a_checkout():
 def test_sampler_interval_is_checked_before_anything_runs(tmp_path, value):
     """``ONECARD_SAMPLE_S`` (the memory sampler's interval): one error at validation, not a traceback in training."""
     out = tmp_path / "out"
-    _one_error(_run([sys.executable, "-m", "cosmos_framework_ext.train", "--sft-toml",
+    _one_error(_run([sys.executable, "-m", "cosmos_framework_ext.recipe.train", "--sft-toml",
                      str(REPO / "toml" / "vision_sft_edge_24gb.toml"), "--validate-only"],
                     ONECARD_SAMPLE_S=value, OUTPUT_ROOT=str(out)), "ONECARD_SAMPLE_S")
     assert not out.exists() or not any(out.rglob("*.pt"))

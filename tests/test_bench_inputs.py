@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks.checks import result_stem
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -287,15 +289,17 @@ def test_edge_exact_smoke_subset_writes_both_files(tmp_path, sample_dataset):
                           "head-reference", "--steps", "2", "--grad-accum", "1", "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = json.loads((tmp_path / "out" / "edge_exact_smoke.json").read_text())["rows"]
+    stem = result_stem("cosmos", "edge-exact", "cpu", smoke=True)
+    rows = json.loads((tmp_path / "out" / f"{stem}.json").read_text())["rows"]
     assert [r["config"] for r in rows] == ["HEAD dtypes, reference"] and rows[0]["status"] == "ok"
-    assert "| HEAD dtypes, reference |" in (tmp_path / "out" / "edge_exact_smoke.md").read_text()
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["edge_exact_smoke.json", "edge_exact_smoke.md"]
+    assert "| HEAD dtypes, reference |" in (tmp_path / "out" / f"{stem}.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"{stem}.json", f"{stem}.md"]
 
 
-@pytest.mark.parametrize("name,stem", [("edge_24gb", "edge_24gb_smoke"), ("edge_exact", "edge_exact_smoke")])
-def test_a_folder_where_a_result_goes_is_refused_before_any_run(scripts, tmp_path, capfd, name, stem):
+@pytest.mark.parametrize("name,what", [("edge_24gb", "edge24gb"), ("edge_exact", "edge-exact")])
+def test_a_folder_where_a_result_goes_is_refused_before_any_run(scripts, tmp_path, capfd, name, what):
     """A folder named like the result file would make the final write fail after every run: refused up front."""
+    stem = result_stem("cosmos", what, "cpu", smoke=True)
     out = tmp_path / "out"
     (out / f"{stem}.json").mkdir(parents=True)
     rc = scripts[name].main(["--smoke", "--out", str(out)])

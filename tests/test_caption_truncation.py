@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosmos_framework_ext import data as datamod
-from cosmos_framework_ext import train
-from cosmos_framework_ext.presets import build_vae, get_preset
-from cosmos_framework_ext.vae_offload import encode_latents
+from cosmos_framework_ext.recipe import data as datamod
+from patches.core.data import rows
+from cosmos_framework_ext.recipe import train
+from cosmos_framework_ext.recipe.presets import build_vae, get_preset
+from cosmos_framework_ext.recipe.vae import encode_latents
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = get_preset("tiny")
@@ -22,7 +23,7 @@ TINY = get_preset("tiny")
 
 @pytest.fixture(scope="module")
 def records(sample_dataset):
-    return datamod.load_records(sample_dataset)
+    return rows.load_records(sample_dataset)
 
 
 def test_long_caption_keeps_its_suffix_and_is_counted(records, tokenizer):
@@ -134,7 +135,7 @@ def test_trainer_counts_truncated_captions_and_uses_the_vae_config(tmp_path, mon
     rc = train.main(["--sft-toml", str(toml), "--max-iter", "1", "--no-save"])
     out = capsys.readouterr()
     assert rc == 0, out.err
-    n = len(datamod.load_records(sample_dataset))
+    n = len(rows.load_records(sample_dataset))
     assert f"onecard: {n} of {n} captions are longer than max_caption_tokens 30" in out.out
     assert f"latents_mean/latents_std from {folder} (its latents_mean and latents_std differ" in out.out
     s = json.loads((tmp_path / "out" / "cosmos3" / "sft" / "vision_sft_edge_24gb" / "summary.json").read_text())

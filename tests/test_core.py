@@ -6,7 +6,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest

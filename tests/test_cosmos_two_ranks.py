@@ -46,7 +46,7 @@ def _launch(tmp_path: Path, out: Path, toml: Path, dataset: Path, launcher: bool
                ONECARD_DATA_CACHE=str(tmp_path / "cache"))
     cmd = (["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")] if launcher else
            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", "-m", "cosmos_framework_ext.train", f"--sft-toml={toml}",
+            f"--master_port={free_port()}", "-m", "cosmos_framework_ext.recipe.train", f"--sft-toml={toml}",
             "--videos-checked"])
     return subprocess.run([*cmd, "--max-iter", "3"], env=env, capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
@@ -65,7 +65,7 @@ def _fixed_ports_taken():
 
 
 def test_two_rank_checkpoints_are_full_and_a_resume_is_exact(tmp_path, sample_dataset):
-    from cosmos_framework_ext.presets import build_transformer, get_preset
+    from cosmos_framework_ext.recipe.presets import build_transformer, get_preset
 
     toml = _toml(tmp_path)
     with _fixed_ports_taken():

@@ -9,20 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosmos_framework_ext.data import (
-    JSONL_RELPATH,
-    MARKER_NAME,
-    CaptionTokenizer,
-    DatasetError,
-    SampleSource,
-    caption_with_suffix,
-    decode_window,
-    load_records,
-    prepare_sample_dataset,
-    target_size,
-    tokens_per_sample,
-)
-from cosmos_framework_ext.presets import get_preset
+from patches.core.data.rows import JSONL_RELPATH, DatasetError, load_records
+from patches.core.data.sample_dataset import MARKER_NAME, prepare_sample_dataset
+from cosmos_framework_ext.recipe.data import CaptionTokenizer, SampleSource, caption_with_suffix, target_size, tokens_per_sample
+from patches.core.data.video import decode_window
+from cosmos_framework_ext.recipe.presets import get_preset
 
 TINY = get_preset("tiny")
 EDGE = get_preset("edge")
@@ -245,7 +236,8 @@ def test_decode_window_shape_dtype_range(sample_dataset: Path, tokenizer: Captio
 
 
 def test_clip_cache_returns_the_same_frames_as_a_direct_decode(sample_dataset):
-    from cosmos_framework_ext.data import ClipCache, decode_window, load_records
+    from patches.core.data.video import ClipCache, decode_window
+    from patches.core.data.rows import load_records
 
     rec = load_records(sample_dataset)[0]
     cache = ClipCache()

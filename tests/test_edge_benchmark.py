@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.checks import result_stem
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -44,12 +46,13 @@ def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, sample_dataset
         monkeypatch.delenv(var, raising=False)
     only = "stock (uncapped card),+ latent cache"
     assert bench.main(["--smoke", "--steps", "2", "--grad-accum", "1", "--only", only, "--out", str(tmp_path)]) == 0
-    rows = json.loads((tmp_path / "edge_24gb_smoke.json").read_text())["rows"]  # a smoke never writes edge_24gb.json
+    stem = result_stem("cosmos", "edge24gb", "cpu", smoke=True)  # a smoke never writes a GPU result's name
+    rows = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"]
     stock, cached = rows
     assert stock["prepass"] is None and cached["prepass"]["misses"] == cached["prepass"]["entries"] > 0
     assert cached["prepass_s"] > 0 and all(r["s_per_sample"] > 0 and r["model_tflop_per_s"] > 0 for r in rows)
-    md = (tmp_path / "edge_24gb_smoke.md").read_text()
+    md = (tmp_path / f"{stem}.md").read_text()
     assert "| + latent cache | ok |" in md and "s/sample" in md and "MFU" in md
     assert bench.main(["--smoke", "--grad-accum", "1", "--only", "nonesuch", "--out", str(tmp_path)]) == 2
     assert bench.main(["--grad-accum", "4", "--smoke", "--steps", "1", "--out", str(tmp_path)]) == 2
@@ -58,7 +61,7 @@ def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, sample_dataset
 def test_compiled_configuration_turns_the_embedded_compile_on(bench, tmp_path):
     """``[model.compile] enabled`` alone leaves the embedded trainer eager (``[onecard] compile_blocks`` defaults to
     false until the compiled path has run on a GPU): the benchmark's compiled row must set both."""
-    from cosmos_framework_ext.config import load as load_sft_config
+    from cosmos_framework_ext.recipe.config import load as load_sft_config
 
     by_name = {c.name: c for c in bench.CONFIGS}
     on = load_sft_config(bench.recipe_toml(by_name["all levers"], 8, 3, tmp_path))

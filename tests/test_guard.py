@@ -8,7 +8,8 @@ import types
 import pytest
 
 from patches.core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
-from patches.guard import MARK, Patch, PatchSet, UpstreamMismatch
+from patches.core.errors import UpstreamMismatch
+from patches.guard import MARK, Patch, PatchSet
 
 
 @pytest.fixture()

@@ -52,7 +52,7 @@ def test_print_commands_one_configuration_each_under_the_command_limit_and_in_th
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     runs = [x for x in lines if "--modes" in x]
-    assert len(runs) == 4 + 2 * 3 and lines[-1] == "python benchmarks/h3_1gpu.py --merge benchmarks/results/h3_1gpu_runs"
+    assert len(runs) == 4 + 2 * 3 and lines[-1] == "python benchmarks/h3_1gpu.py --merge outputs/h3_1gpu_runs"
     outs = set()
     for cmd in runs:
         args = cmd.split("; ", 1)[1].split()

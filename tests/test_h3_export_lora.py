@@ -1,4 +1,4 @@
-"""``miles_ext.export_lora``: the adapter directory loads onto the base model with PEFT and with diffusers, and
+"""``miles_ext.recipe.export_lora``: the adapter directory loads onto the base model with PEFT and with diffusers, and
 gives the trained model's forward; bad input fails cleanly and writes nothing; the README's loading snippet
 (:data:`README_SNIPPET`) runs as written on the adapter of a tiny trainer run."""
 
@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_ext import export_lora
-from miles_ext.h3_inputs import build_h3_inputs
-from miles_ext.lora import H3_LORA_TARGETS, attach_lora, lora_parameters
-from miles_ext.presets import build_transformer, get_preset
+from miles_ext.recipe import export_lora
+from miles_ext.recipe.h3_inputs import build_h3_inputs
+from miles_ext.recipe.presets import H3_LORA_TARGETS
+from miles_ext.levers.lora import attach_lora, lora_parameters
+from miles_ext.recipe.presets import build_transformer, get_preset
 from patches.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ RANK, ALPHA = 4, 8.0
 README_SNIPPET = """\
 from diffusers import MiniMaxH3Transformer3DModel
 from peft import PeftModel
-from miles_ext.presets import get_preset
+from miles_ext.recipe.presets import get_preset
 
 config = get_preset("tiny").transformer_kwargs()  # your weights: MiniMaxH3Transformer3DModel.from_pretrained(...)
 
@@ -56,7 +57,7 @@ def forward(model):
 
 @pytest.fixture()
 def trained(tmp_path):
-    model = attach_lora(base_model(), rank=RANK, alpha=ALPHA)
+    model = attach_lora(base_model(), rank=RANK, alpha=ALPHA, target_modules=H3_LORA_TARGETS)
     with torch.no_grad():  # "training": move every adapter away from its init (B = 0 would hide bugs)
         g = torch.Generator().manual_seed(1)
         for p in lora_parameters(model).values():
@@ -137,10 +138,9 @@ def test_readme_snippet_loads_a_trained_adapter(tmp_path, monkeypatch, capfd):
     """A tiny launcher run, the README's export command, then :data:`README_SNIPPET` exactly as written: it
     prints and warns nothing, both loaders hold the checkpoint's LoRA tensors, and on the same base they give
     the same forward, which the adapter changes."""
-    from cosmos_framework_ext.data import prepare_sample_dataset
-    from cosmos_framework_ext.presets import get_preset as cosmos_preset
+    from patches.core.data.sample_dataset import FULL_SIZE, prepare_sample_dataset
 
-    data = prepare_sample_dataset(tmp_path / "data", cosmos_preset("edge"))
+    data = prepare_sample_dataset(tmp_path / "data", FULL_SIZE)
     rows = data / "train" / "video_dataset_file.jsonl"  # the DATASET_PATH layout
     rows.write_text("".join(rows.read_text().splitlines(keepends=True)[:2]))  # two clips: a quick run
     env = dict(os.environ, OUTPUT_ROOT=str(tmp_path / "outputs"), DATASET_PATH=str(data), PYTHON=sys.executable,
@@ -151,7 +151,7 @@ def test_readme_snippet_loads_a_trained_adapter(tmp_path, monkeypatch, capfd):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = "outputs/h3_t2va_sft/checkpoints/iter_000000001.pt"
-    ex = subprocess.run([sys.executable, "-m", "miles_ext.export_lora", ckpt, "outputs/my_adapter"], env=env, cwd=tmp_path,
+    ex = subprocess.run([sys.executable, "-m", "miles_ext.recipe.export_lora", ckpt, "outputs/my_adapter"], env=env, cwd=tmp_path,
                         capture_output=True, text=True, timeout=300)
     assert ex.returncode == 0 and "exported 36 LoRA tensors (rank 64, alpha 128" in ex.stdout, ex.stderr
     capfd.readouterr()

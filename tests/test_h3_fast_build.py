@@ -1,4 +1,4 @@
-""":func:`miles_ext.fast_init.build_lora_fsdp` (the low-RAM init order shared by the trainer and
+""":func:`miles_ext.levers.fast_init.build_lora_fsdp` (the low-RAM init order shared by the trainer and
 ``benchmarks/h3_1gpu.py``) builds bitwise the model the trainer's ``_build_model`` order builds, spelled out step
 by step here (meta build -> ``manual_seed`` -> ``attach_lora_materialised`` -> master dtype -> residency plan ->
 ``apply_fsdp2(exact_pin=True, resident=..., adapters_on_device=...)`` -> ``materialise(RandomInit(seed))``).
@@ -15,19 +15,24 @@ from pathlib import Path
 
 import torch
 
+from miles_ext.recipe.presets import H3_LORA_TARGETS, build_transformer, meta_transformer
 from tests.equivalence.h3_ranks import cpu_mesh, launch
+
+
+def TINY_MODEL():
+    return build_transformer("tiny", device="cpu")
 
 SEED, RANK, ALPHA = 5, 4, 8
 
 
 def _manual(seed: int):
     """The trainer's ``_build_model`` order, written out (no shared helper)."""
-    from miles_ext import fast_init
-    from miles_ext.fsdp_policy import apply_fsdp2, set_master_dtype
+    from miles_ext.levers import fast_init
+    from miles_ext.levers.fsdp_policy import apply_fsdp2, set_master_dtype
 
-    model = fast_init.meta_transformer("tiny")
+    model = meta_transformer("tiny")
     torch.manual_seed(seed)
-    fast_init.attach_lora_materialised(model, rank=RANK, alpha=ALPHA)
+    fast_init.attach_lora_materialised(model, rank=RANK, alpha=ALPHA, target_modules=H3_LORA_TARGETS)
     model.enable_gradient_checkpointing()
     model.train()
     set_master_dtype(model, "bf16")
@@ -43,7 +48,7 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    from miles_ext import fast_init
+    from miles_ext.levers import fast_init
     from patches.core.errors import UserError
 
     seen = {}
@@ -53,7 +58,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         seen["meta"] = all(p.is_meta for n, p in model.named_parameters() if "lora_" not in n)
         return [1]
 
-    built = fast_init.build_lora_fsdp("tiny", seed=SEED, lora=dict(rank=RANK, alpha=ALPHA), master_dtype="bf16",
+    built = fast_init.build_lora_fsdp(TINY_MODEL, seed=SEED, lora=dict(rank=RANK, alpha=ALPHA, target_modules=H3_LORA_TARGETS),
+                                      master_dtype="bf16",
                                       cpu_offload=True, source=fast_init.RandomInit(SEED, draw_device="cpu"),
                                       plan_resident=plan, mesh=cpu_mesh(), param_dtype=None)
     manual = _manual(SEED)
@@ -64,7 +70,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
            "training": built.model.training,
            "times": (built.build_s, built.materialise_s)}
     try:
-        fast_init.build_lora_fsdp("tiny", seed=SEED, lora=dict(rank=RANK, alpha=ALPHA, target_modules=["nope"]),
+        fast_init.build_lora_fsdp(TINY_MODEL, seed=SEED, lora=dict(rank=RANK, alpha=ALPHA, target_modules=["nope"]),
                                   master_dtype="bf16", cpu_offload=True, mesh=cpu_mesh(), param_dtype=None)
         res["bad_target"] = None
     except UserError as e:

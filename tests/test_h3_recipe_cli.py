@@ -1,4 +1,4 @@
-"""``miles_ext.recipe``'s command line, ``python -m miles_ext.recipe translate``: the 8-GPU H3 SFT recipe's
+"""The translator's command line, ``python -m miles_ext.recipe.translate``: the 8-GPU H3 SFT recipe's
 arguments -> 1 GPU, and its refusals (the 8->1 schedule itself is proved in
 ``tests/equivalence/test_h3_recipe.py``)."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_ext.recipe import TranslationError, derive_batch, main, translate
+from miles_ext.recipe.schedule import derive_batch
+from miles_ext.recipe.translate import TranslationError, main, translate
 from patches.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def _flag(args: list[str], name: str) -> str | None:
 
 
 def test_translation_changes_only_what_must_change(capsys):
-    rc, out, err = _run(capsys, "translate", "--from-gpus", "8", "--to-gpus", "1", *RECIPE_8)
+    rc, out, err = _run(capsys, "--from-gpus", "8", "--to-gpus", "1", *RECIPE_8)
     assert rc == 0 and err == ""
     lines = out.splitlines()
     args = shlex.split(lines[0])
@@ -74,7 +75,7 @@ def test_translation_changes_only_what_must_change(capsys):
 
 
 def test_invariants_are_printed_with_their_reasons(capsys):
-    rc, out, _ = _run(capsys, "translate", "--from-gpus", "8", *RECIPE_8)
+    rc, out, _ = _run(capsys, "--from-gpus", "8", *RECIPE_8)
     inv = [line for line in out.splitlines() if line.startswith("# invariant ")]
     text = "\n".join(inv)
     assert "global batch: 32 x 1 / 4 = 8 samples per optimizer step" in text and "no world-size term" in text
@@ -88,7 +89,7 @@ def test_invariants_are_printed_with_their_reasons(capsys):
 
 def test_global_batch_is_pinned_when_it_defaulted_to_the_dp_size(capsys):
     args = ["--rollout-batch-size", "32", "--use-lora", "--actor-num-gpus-per-node", "8"]
-    rc, out, _ = _run(capsys, "translate", "--from-gpus", "8", *args)
+    rc, out, _ = _run(capsys, "--from-gpus", "8", *args)
     assert rc == 0
     new = shlex.split(out.splitlines()[0])
     assert _flag(new, "--global-batch-size") == "8"  # would default to 1 on one GPU
@@ -98,7 +99,7 @@ def test_global_batch_is_pinned_when_it_defaulted_to_the_dp_size(capsys):
 def test_equals_form_last_occurrence_and_unknown_flags(capsys):
     args = ["--rollout-batch-size=32", "--num-steps-per-rollout", "4", "--use-lora", "--fsdp-master-dtype=bf16",
             "--foo", "bar", "--run-name", "a", "--run-name=b", "--bare-flag", "--actor-num-gpus-per-node=8"]
-    rc, out, _ = _run(capsys, "translate", "--from-gpus", "8", *args)
+    rc, out, _ = _run(capsys, "--from-gpus", "8", *args)
     assert rc == 0
     new = shlex.split(out.splitlines()[0])
     assert new[: 5] == ["--rollout-batch-size", "32", "--num-steps-per-rollout", "4", "--use-lora"]
@@ -109,7 +110,7 @@ def test_equals_form_last_occurrence_and_unknown_flags(capsys):
 
 def test_out_file_is_written_on_success(tmp_path, capsys):
     out_file = tmp_path / "args.txt"
-    rc, out, _ = _run(capsys, "translate", "--from-gpus", "8", "--out", str(out_file), *RECIPE_8)
+    rc, out, _ = _run(capsys, "--from-gpus", "8", "--out", str(out_file), *RECIPE_8)
     assert rc == 0 and out_file.read_text() == out.splitlines()[0] + "\n"
 
 
@@ -141,32 +142,32 @@ def test_refusals_exit_2_with_one_error_line_and_write_nothing(tmp_path, capsys,
         elif value is not None:
             args += [flag, value]
     out_file = tmp_path / "args.txt"
-    rc, out, err = _run(capsys, "translate", "--from-gpus", "8", "--out", str(out_file), *args)
+    rc, out, err = _run(capsys, "--from-gpus", "8", "--out", str(out_file), *args)
     assert rc == 2 and out == "" and not out_file.exists() and not list(tmp_path.iterdir())
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
 
 
 def test_bad_usage_is_refused_the_same_way(capsys):
-    for argv in (["translate", *RECIPE_8], ["translate", "--from-gpus", "x", *RECIPE_8], ["nope"],
-                 ["translate", "--from-gpus", "8", "--to-gpus", "0", *RECIPE_8],
-                 ["translate", "--from-gpus", "8", "--to-gpus", "3", *RECIPE_8],
-                 ["translate", "--from-gpus", "8", "--rollout-batch-size"]):
+    for argv in ([*RECIPE_8], ["--from-gpus", "x", *RECIPE_8], ["nope"],
+                 ["--from-gpus", "8", "--to-gpus", "0", *RECIPE_8],
+                 ["--from-gpus", "8", "--to-gpus", "3", *RECIPE_8],
+                 ["--from-gpus", "8", "--rollout-batch-size"]):
         rc, out, err = _run(capsys, *argv)
         assert rc == 2 and out == "" and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
 
 
 def test_translate_to_two_gpus(capsys):
-    rc, out, _ = _run(capsys, "translate", "--from-gpus", "8", "--to-gpus", "2", *RECIPE_8)
+    rc, out, _ = _run(capsys, "--from-gpus", "8", "--to-gpus", "2", *RECIPE_8)
     assert rc == 0 and _flag(shlex.split(out.splitlines()[0]), "--actor-num-gpus-per-node") == "2"
     assert "8 GPUs x 1 per rank = 2 GPU(s) x 4 accumulated" in out
     assert "GPU r runs source ranks j in [4r, 4(r+1))" in out
 
 
 def test_module_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "miles_ext.recipe", "translate", "--from-gpus", "8", *RECIPE_8],
+    proc = subprocess.run([sys.executable, "-m", "miles_ext.recipe.translate", "--from-gpus", "8", *RECIPE_8],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.splitlines()[0].startswith("--rollout-batch-size 32")
-    bad = subprocess.run([sys.executable, "-m", "miles_ext.recipe", "translate", "--from-gpus", "8",
+    bad = subprocess.run([sys.executable, "-m", "miles_ext.recipe.translate", "--from-gpus", "8",
                           "--rollout-batch-size", "36", "--use-lora"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("error: ")

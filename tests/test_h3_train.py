@@ -1,4 +1,4 @@
-"""``miles_ext.train``, the embedded H3 LoRA SFT trainer, on the CPU (tiny preset): its typed config, a run,
+"""``miles_ext.recipe.train``, the embedded H3 LoRA SFT trainer, on the CPU (tiny preset): its typed config, a run,
 its cache and checkpoints, exact resume, its export, bad input. Every run writes under ``tmp_path`` and picks a
 free rendezvous port, so the tests run in parallel."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_ext.train import H3SFTConfig, parse_args
+from miles_ext.recipe.train import H3SFTConfig, parse_args
 from patches.core.checkpoint import CheckpointManager
 from patches.core.config import field_docs
 
@@ -53,8 +53,8 @@ def test_main_job_trains_two_steps_with_the_8_gpu_schedule(first_run):
     assert "preset tiny on CPU (no GPU found)" in r.stdout
     assert "8 micro-batches per step as 8 ranks would run them" in r.stdout
     s = json.loads((tmp / "out" / "h3_t2va_sft" / "summary.json").read_text())
-    assert s["optimizer_steps"] == 2 and s["global_batch"] == 8 and s["micro_batches_per_step"] == 8
-    assert s["nonfinite_skipped_steps"] == 0 and s["nonfinite_skips"] == []  # counted (miles_ext.finite_step)
+    assert s["steps"] == 2 and s["global_batch"] == 8 and s["micro_batches_per_step"] == 8
+    assert s["nonfinite_skipped_steps"] == 0 and s["nonfinite_skips"] == []  # counted (miles_ext.levers.finite_step)
     assert s["loss_sigma_buckets"] and all(k.startswith("loss_sigma_") for k in s["loss_sigma_buckets"])
     # the process's high-water mark, read after the last checkpoint save: at least every RSS sampled before it
     rss = s["host_rss_gib"]
@@ -73,7 +73,7 @@ def test_resume_continues_exactly_and_skips_encoding(first_run, tmp_path):
     assert r.returncode == 0 and "resumed from" in r.stdout, r.stderr[-3000:]
     s = json.loads((tmp / "out" / "h3_t2va_sft" / "summary.json").read_text())
     assert s["data"]["cache_misses"] == 0 and s["data"]["cache_hits"] == s["data"]["rows"]
-    assert s["resumed_from_rollout"] == 1 and s["optimizer_steps"] == 2
+    assert s["resumed_from"] == 1 and s["steps"] == 2 and s["reached"] == 2
     straight = run(tmp_path, "--num-rollout", "2", env={"OUTPUT_ROOT": str(tmp_path / "straight")})
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert latest_marker(tmp / "out") == "iter_000000002.pt\n" and s["checkpoint"] == str(checkpoint(tmp / "out", 2))
@@ -86,7 +86,7 @@ def test_resume_continues_exactly_and_skips_encoding(first_run, tmp_path):
     assert same_lora(checkpoint(tmp / "out", 2))
     again = run(tmp, "--num-rollout", "2")
     assert again.returncode == 0 and "nothing to do" in again.stdout
-    ex = subprocess.run([sys.executable, "-m", "miles_ext.export_lora", str(checkpoint(tmp_path / "straight", 2)),
+    ex = subprocess.run([sys.executable, "-m", "miles_ext.recipe.export_lora", str(checkpoint(tmp_path / "straight", 2)),
                          str(tmp_path / "adapter")], capture_output=True, text=True, cwd=REPO)
     assert ex.returncode == 0 and "exported 36 LoRA tensors (rank 64, alpha 128" in ex.stdout, ex.stderr
     assert "DeviceMesh" not in ex.stderr  # the checkpoint holds plain tensors only
@@ -144,7 +144,7 @@ def test_flags_parse_into_typed_fields():
 
 
 def test_help_lists_every_flag_with_its_doc():
-    r = subprocess.run([sys.executable, "-m", "miles_ext.train", "--help"], capture_output=True, text=True, cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "miles_ext.recipe.train", "--help"], capture_output=True, text=True, cwd=REPO,
                        timeout=120, env=dict(os.environ, COLUMNS="1000"))  # no wrapping inside a doc
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())

@@ -1,9 +1,9 @@
-"""``miles_ext.train --fsdp-resident-blocks auto|N --gpu-budget-gib G`` (partial residency, issue 14 item 3) on the
+"""``miles_ext.recipe.train --fsdp-resident-blocks auto|N --gpu-budget-gib G`` (partial residency) on the
 CPU, tiny preset: the flags reach ``apply_fsdp2(resident=..., adapters_on_device=True)``, ``auto`` prints its count
 and terms, the LoRA trained equals the all-resident and the fully offloaded run's bitwise (on the CPU every mode's
 AdamW runs on the CPU: the placement is the same), and each bad value is one ``error:`` line.
 
-Runs in this process (``miles_ext.train.main``) on a 2-row copy of the sample dataset, one optimizer step of two
+Runs in this process (``miles_ext.recipe.train.main``) on a 2-row copy of the sample dataset, one optimizer step of two
 micro-batches each, so the file stays well under 30 s; the launcher path is covered by ``tests/test_h3_train.py``.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_ext.train import main
+from miles_ext.recipe.train import main
 
 STEP = ["--preset", "tiny", "--rollout-batch-size", "2", "--num-steps-per-rollout", "1", "--from-gpus", "1",
         "--fsdp-master-dtype", "bf16"]
@@ -26,14 +26,15 @@ STEP = ["--preset", "tiny", "--rollout-batch-size", "2", "--num-steps-per-rollou
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """A 2-row DATASET_PATH cut from the sample dataset, and a latent cache shared by the runs of this file."""
-    from cosmos_framework_ext import data as cdata
-    from cosmos_framework_ext.presets import get_preset
+    from patches.core.data import sample_dataset
+    from patches.core.data.rows import JSONL_RELPATH
 
-    src = cdata.prepare_sample_dataset(cdata.default_sample_dataset_root(get_preset("edge")), get_preset("edge"))
+    spec = sample_dataset.FULL_SIZE
+    src = sample_dataset.prepare_sample_dataset(tmp_path_factory.mktemp("sd") / "sample_dataset", spec)
     root = tmp_path_factory.mktemp("ds")
-    rows = (src / cdata.JSONL_RELPATH).read_text().splitlines()[:2]
-    (root / cdata.JSONL_RELPATH).parent.mkdir(parents=True)
-    (root / cdata.JSONL_RELPATH).write_text("\n".join(rows) + "\n")
+    rows = (src / JSONL_RELPATH).read_text().splitlines()[:2]
+    (root / JSONL_RELPATH).parent.mkdir(parents=True)
+    (root / JSONL_RELPATH).write_text("\n".join(rows) + "\n")
     for row in rows:
         rel = json.loads(row)["video"]
         (root / "train" / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +69,7 @@ def test_partial_residency_trains_the_all_resident_lora_bitwise(small, tmp_path,
         assert rc == 0, err[-3000:]
         outs[name] = out
     # auto: the count and its terms, printed; the tiny model fits a 64 GiB budget whole
-    assert "--fsdp-resident-blocks auto: 4 of 4 blocks resident;" in outs["auto"]
+    assert "residency auto: 4 of 4 blocks resident;" in outs["auto"]
     assert all(t in outs["auto"] for t in ("root", "adapters+grads+adamw", "activations", "reserve", "tokens"))
     assert "with 1 blocks resident" in outs["partial1"] and "with 0 blocks resident" in outs["partial0"]
     s = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in modes}
@@ -91,12 +92,12 @@ def test_partial_residency_trains_the_all_resident_lora_bitwise(small, tmp_path,
     for name in modes:
         got = lora_of(tmp_path / name)
         assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), name
-    assert s["resident"]["loss_per_step"] == s["partial1"]["loss_per_step"] == s["offload"]["loss_per_step"]
+    assert s["resident"]["losses"] == s["partial1"]["losses"] == s["offload"]["losses"]
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "-1"], "use auto or a whole number"),
-    (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "half"], "use auto or a whole number"),
+    (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "-1"], "use auto, a whole number"),
+    (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "half"], "use auto, a whole number"),
     (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "5"], "has 4 FSDP blocks (1 MiniMaxH3TokenRefinerBlock, 2 MiniMaxH3TransformerBlock"),
     (["--fsdp-resident-blocks", "1"], "add --fsdp-cpu-offload"),
     (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "auto"], "no GPU was found: pass --gpu-budget-gib"),

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosmos_framework_ext import config as cfgmod
-from cosmos_framework_ext.ledger import cosmos_ledger
+from cosmos_framework_ext.recipe import config as cfgmod
+from cosmos_framework_ext.recipe.ledger import cosmos_ledger
 from patches import ledger as ledgermod
 from patches.core.ledger import parse_budget
 from tests.equivalence import tiny_recipe as R

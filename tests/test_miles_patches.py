@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from patches.core.flags import FlagError, read_miles
-from patches.guard import UpstreamMismatch
+from patches.core.errors import UpstreamMismatch
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE = REPO / "tests" / "fake_miles"
@@ -93,10 +93,10 @@ PLAN = SimpleNamespace(no_split_modules=["MiniMaxH3TransformerBlock", "MiniMaxH3
 
 def _train(model_loader) -> dict:
     from tests.equivalence.h3_ranks import cpu_mesh
-    from miles_ext.lora import lora_parameters
-    from miles_ext.recipe import pair_schedule
-    from miles_ext.sft import train_step
-    from miles_ext.tiny_run import OPTIM, make_lora_model, synthetic_pairs
+    from miles_ext.levers.lora import lora_parameters
+    from miles_ext.recipe.schedule import pair_schedule
+    from miles_ext.recipe.sft import train_step
+    from tests.equivalence.h3_tiny_run import OPTIM, make_lora_model, synthetic_pairs
 
     pairs = synthetic_pairs(8)
     model = make_lora_model()
@@ -111,7 +111,7 @@ def _train(model_loader) -> dict:
 
     for slots in pair_schedule(4, 1, 2, 1)[:2]:
         train_step(model, opt, slots, pairs, seed=5, max_grad_norm=0.05, after_backward=snap)
-    from miles_ext.pinned import pinned_report
+    from miles_ext.levers.pinned import pinned_report
 
     rep = pinned_report(model)
     return {"grads": grads, "weights": {n: p.full_tensor().detach().clone() for n, p in lora.items()},
@@ -121,7 +121,7 @@ def _train(model_loader) -> dict:
 def _loads_given_state(model_loader, checkpoint) -> bool:
     """The patched state load puts the *given* full state into the shards (a state unlike the model's own)."""
     from tests.equivalence.h3_ranks import cpu_mesh
-    from miles_ext.tiny_run import make_lora_model
+    from tests.equivalence.h3_tiny_run import make_lora_model
 
     model = make_lora_model()
     wanted = {k: v * 2 + 1 for k, v in model.state_dict().items()}

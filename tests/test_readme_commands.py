@@ -20,13 +20,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+DOCS = README + "".join(p.read_text() for p in sorted((REPO / "docs").rglob("*.md")))
+"""README and every docs page: a command is run from wherever the docs show it."""
 
 
 def readme_line(contains: str) -> str:
-    """The one command line of README's code blocks that holds ``contains`` (a trailing comment and a ``\\``
-    continuation cut; a ``$ `` prompt dropped)."""
+    """The one command line of the code blocks of README and ``docs/`` that holds ``contains`` (a trailing comment and
+    a ``\\`` continuation cut; a ``$ `` prompt dropped)."""
     lines, inside = [], False
-    for line in README.splitlines():
+    for line in DOCS.splitlines():
         if line.startswith("```"):
             inside = not inside
         elif inside and contains in line and not line.lstrip().startswith("#"):
@@ -68,10 +70,10 @@ def test_own_recipe_toml_copy_and_dryrun(scratch):
 
 
 def test_packing_planner_command_gives_readmes_grad_accum_on_the_sample_dataset(scratch):
-    cmd = readme_line("python -m cosmos_framework_ext.packing --cap 12288")
+    cmd = readme_line("python -m cosmos_framework_ext.recipe.plan --cap 12288")
     r = sh(scratch, f"{cmd} --json plan.json", ONECARD_DATA_CACHE=str(scratch / "cache"))
     assert r.returncode == 0, r.stderr
     plan = json.loads((scratch / "plan.json").read_text())
     # README: "On the 67-row sample dataset the planner gives grad_accum 6"
     assert plan["num_samples"] == 67 and plan["grad_accum"] == 6 and plan["ours"]["dropped"] == []
-    assert "grad_accum 6" in README
+    assert "grad_accum 6" in DOCS

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosmos_framework_ext import train
+from cosmos_framework_ext.recipe import train
 from patches.core import settings as settingsmod
 from patches.core.checkpoint import CheckpointManager
 from patches.core.lock import LOCK_NAME
@@ -156,7 +156,7 @@ H3_ARGS = ["--rollout-batch-size", "8", "--num-steps-per-rollout", "1", "--lora-
 
 def h3(out_dir: Path, data: Path, *extra: str, monkeypatch, capsys) -> tuple[int, str, str]:
     """The H3 trainer in this process (its imports paid once), as the launcher would call it on a CPU."""
-    from miles_ext import train as h3train
+    from miles_ext.recipe import train as h3train
 
     monkeypatch.delenv("MASTER_PORT", raising=False)  # the trainer sets it; restored after the test
     monkeypatch.delenv("MASTER_ADDR", raising=False)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosmos_framework_ext import train
+from cosmos_framework_ext.recipe import train
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "toml" / "vision_sft_edge_24gb.toml"
@@ -131,7 +131,7 @@ def test_main_job_summary_and_checkpoint(env, capsys):
     # upstream passes the iteration before its increment: the 4th step (iteration 3) updates with
     # beta(3) = (1 - 1/4)^(gamma + 1), gamma = 6.9372039 for rate 0.1
     assert s["ema"]["num_updates"] == 4 and s["ema"]["last_beta"] == pytest.approx(0.75 ** 7.9372039, rel=1e-6)
-    for key in ("samples_per_optimizer_step", "peak_gpu_gib", "peak_host_rss_gib", "pinned_bytes", "checkpoint"):
+    for key in ("samples_per_optimizer_step", "peak_gpu_allocated_gib", "peak_host_rss_gib", "pinned_bytes", "checkpoint"):
         assert key in s
     blob = torch.load(s["checkpoint"], map_location="cpu", weights_only=False)
     net = {k[4:] for k in blob["model"] if k.startswith("net.")}

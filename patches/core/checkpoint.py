@@ -10,6 +10,10 @@ A file is written under a temporary name and renamed (:func:`patches.core.io.ato
 killed save never leaves a half file under a real name; the temporaries it may leave are removed by
 :meth:`CheckpointManager.clean_stale`. :meth:`CheckpointManager.load_latest` tries the newest file first
 and, if it cannot be read, says so and falls back to the next older one.
+
+**Retention.** With ``keep = N > 0`` a save deletes the oldest checkpoints beyond the newest ``N``, only after the new
+file is complete (renamed into place, the marker pointing at it), so the newest good checkpoint is never deleted and
+a save killed at any moment leaves every file that was there before. ``keep = 0`` keeps every checkpoint.
 """
 
 from __future__ import annotations
@@ -38,24 +42,44 @@ class CheckpointManager:
             which may need collectives, but rank 0 alone writes it).
         load_kw: default ``torch.load`` keywords of :meth:`load_latest` (e.g. ``{"mmap": True}``: tensors backed
             by the file's pages instead of a copy in memory).
+        keep: checkpoints kept after each save, the new one included (0: all).
+
+    Raises:
+        ValueError: ``keep`` is negative.
     """
 
-    def __init__(self, run_dir: str | Path, write: bool = True, load_kw: dict[str, Any] | None = None):
+    def __init__(self, run_dir: str | Path, write: bool = True, load_kw: dict[str, Any] | None = None, keep: int = 0):
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep must be a whole number >= 0 (0 keeps every checkpoint), got {keep!r}")
         self.dir = Path(run_dir) / "checkpoints"
         self.write = write
         self.load_kw = dict(load_kw or {})
+        self.keep = keep
 
     def path(self, step: int) -> Path:
         """``checkpoints/iter_<step, 9 digits>.pt``."""
         return self.dir / f"iter_{step:0{DIGITS}d}.pt"
 
     def save(self, step: int, state: dict[str, Any]) -> Path | None:
-        """Write ``state`` as step ``step`` atomically, then point the marker at it; ``None`` if not writing."""
+        """Write ``state`` as step ``step`` atomically, point the marker at it, then apply the retention
+        (:meth:`prune`); ``None`` if not writing."""
         if not self.write:
             return None
         path = atomic_torch_save(state, self.path(step))
         atomic_write_text(self.dir / MARKER, path.name + "\n")
+        self.prune(path)
         return path
+
+    def prune(self, newest: Path) -> list[Path]:
+        """Delete the oldest checkpoints so that :attr:`keep` remain, ``newest`` (the one just written) always among
+        them; returns what was deleted. Nothing is deleted with ``keep = 0`` or on a rank that does not write."""
+        if not self.write or self.keep <= 0:
+            return []
+        others = [p for _, p in self.all() if p != newest]
+        doomed = others[: max(0, len(others) - (self.keep - 1))]
+        for p in doomed:
+            p.unlink(missing_ok=True)
+        return doomed
 
     def all(self) -> list[tuple[int, Path]]:
         """``(step, path)`` of every checkpoint file, oldest first."""

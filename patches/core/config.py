@@ -139,11 +139,6 @@ def _join(table: str, name: str) -> str:
     return f"{table}.{name}" if table else name
 
 
-def to_mapping(obj: Any) -> dict[str, Any]:
-    """The dataclass tree as plain dicts (for summaries and checkpoints)."""
-    return dataclasses.asdict(obj)
-
-
 def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """One ``--kebab-name`` flag per field of the flat dataclass ``cls``, typed and documented from it.
 

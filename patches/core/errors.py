@@ -15,6 +15,12 @@ class UserError(ValueError):
     """Bad input the user can fix: the message names the problem and the fix, in one line."""
 
 
+class UpstreamMismatch(RuntimeError):
+    """Code onecard patches or relies on (an upstream trainer's function, a torch internal) is missing or has another
+    signature than the versions onecard supports; the message names the target, what was found and what is
+    supported."""
+
+
 EXIT_USER_ERROR = 2
 """Exit status of every onecard command on a :class:`UserError`."""
 

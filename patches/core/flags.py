@@ -146,9 +146,41 @@ def is_whole_number(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+def setting(source: str, value: object) -> str:
+    """How a setting reads in a message: ``--flag 3`` for a command-line flag, ``NAME=3`` for a variable."""
+    return f"{source} {value}" if source.startswith("-") else f"{source}={value}"
+
+
+def parse_resident_blocks(value: "str | int | None", source: str) -> "str | int | None":
+    """The one parser of an H3 residency setting (the launcher's ``RESIDENT_BLOCKS``, the trainer's
+    ``--fsdp-resident-blocks``, upstream's ``MILES_RESIDENT_BLOCKS``): ``None`` (unset, empty or ``none``: every block
+    streams under CPU offload, no partial residency), ``"auto"`` (the memory model picks the count), or a whole
+    number of blocks >= 0 kept on the GPU. Any case.
+
+    Raises:
+        FlagError: anything else, one line naming ``source`` and the accepted values.
+    """
+    given = setting(source, repr(value))
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise FlagError(f"{given}: use auto, a whole number of blocks >= 0, or none")
+        return value
+    text = str(value).strip().lower()
+    if text in ("", "none"):
+        return None
+    if text == "auto":
+        return "auto"
+    if is_whole_number(text):
+        return int(text)
+    raise FlagError(f"{given}: use auto, a whole number of blocks (0 streams every block), or none (plain CPU "
+                    "offload)")
+
+
 @dataclasses.dataclass(frozen=True)
 class CountFlag:
-    """An environment flag that is off (unset/empty), ``auto``, or a whole number >= 0 (any case)."""
+    """An environment flag holding a residency setting (:func:`parse_resident_blocks`): off, ``auto`` or a count."""
 
     name: str
     """Environment variable name."""
@@ -156,14 +188,10 @@ class CountFlag:
     """What ``auto`` and a number do."""
 
     def value(self, environ: dict[str, str] | None = None) -> Choice:
-        """``Choice("auto")``, ``Choice("<n>")`` or ``Choice("")``; raises :class:`FlagError` on other text."""
+        """``Choice("auto")``, ``Choice("<n>")`` or ``Choice("")`` (off); raises :class:`FlagError` on other text."""
         raw = (environ if environ is not None else os.environ).get(self.name, "")
-        text = raw.strip().lower()
-        if text == "" or text == "auto":
-            return Choice(text)
-        if is_whole_number(text):
-            return Choice(str(int(text)))
-        raise FlagError(f"{self.name}={raw!r} is not auto or a whole number: set one of those, or unset it")
+        parsed = parse_resident_blocks(raw, self.name)
+        return Choice("" if parsed is None else str(parsed))
 
 
 MILES_ONECARD_FSDP = Flag(

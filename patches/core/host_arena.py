@@ -1,7 +1,7 @@
 """Pinned host memory at its exact size.
 
 ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator, which rounds each
-block up to a power of two (measured on an H200: 5 x 1.2 GiB asked -> 10.0 GiB locked). A
+block up to a power of two (five 1.2 GiB tensors lock 10 GiB). A
 :class:`HostArena` instead allocates one ordinary host buffer of exactly the bytes asked and page-locks it
 with ``cudaHostRegister``, then hands out views carved from it. Without CUDA the buffer is ordinary memory
 and :attr:`HostArena.pinned_bytes` is 0.

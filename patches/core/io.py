@@ -91,9 +91,8 @@ def own_storage(obj: Any) -> Any:
     tensor whose storage holds just its elements; other tensors and values are returned as they are.
 
     ``torch.save`` writes a tensor's whole storage. A tensor that views part of a larger buffer -- an offloaded
-    FSDP2 shard in the exact pinned arena (:mod:`miles_ext.pinned`), whose ``full_tensor()`` at one rank is such a
-    view -- would carry the whole buffer into the file: 68.4 GB for one 33 B H3 checkpoint, measured on the H200
-    when the save filled its disk.
+    FSDP2 shard in the exact pinned arena (:mod:`miles_ext.levers.pinned`), whose ``full_tensor()`` at one rank is such a
+    view -- would carry the whole buffer into the file (the whole 66 GB arena for one 33 B H3 checkpoint).
 
     A contiguous CPU view is re-wrapped without a copy (``torch.from_numpy`` over the same bytes, so the new
     storage starts at the view and is exactly as long; 2-byte dtypes numpy lacks, such as bfloat16, travel as

@@ -1,6 +1,6 @@
 """The memory ledger's table: predicted GPU and host bytes per component, totals and a fit verdict.
 
-Each recipe fills a :class:`Ledger` with its own components (``cosmos_framework_ext.ledger``); the
+Each recipe fills a :class:`Ledger` with its own components (``cosmos_framework_ext.recipe.ledger``); the
 command line is ``python -m patches.ledger``. The budget is the memory the CUDA caching allocator may
 reserve (what ``torch.cuda.set_per_process_memory_fraction`` limits); the CUDA context lives outside it and
 is listed separately.

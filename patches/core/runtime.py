@@ -6,6 +6,7 @@ shard, no collective) and :func:`as_dtensor` (a shard as a DTensor with its glob
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Sequence
 
@@ -91,3 +92,15 @@ def as_dtensor(local: torch.Tensor, mesh, placements, shape, stride):
 
     return DTensor.from_local(local.to(mesh.device_type), mesh, placements, shape=torch.Size(shape),
                               stride=tuple(stride))
+
+
+def stable_hash(*parts: object) -> int:
+    """A process-independent 63-bit hash of ``parts`` (upstream ``utils/hash_utils.stable_hash``).
+
+    blake2b with an 8-byte digest, read as an unsigned integer and masked to 63 bits so it is a valid
+    ``torch.Generator.manual_seed`` / int64 value. Guessed detail (the upstream file was not readable): the
+    parts are serialised as ``str(part)`` joined by ``"|"`` and encoded UTF-8, and the digest is read
+    big-endian. Only self-consistency matters for the 1-GPU == N-GPU proofs.
+    """
+    data = "|".join(str(p) for p in parts).encode("utf-8")
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") & ((1 << 63) - 1)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from miles_ext.tiny_run import PRELOAD
+from tests.equivalence.h3_tiny_run import PRELOAD
 from patches.core.runtime import free_port
 
 __all__ = ["gloo_rank", "cpu_mesh", "launch", "launch_cuda"]

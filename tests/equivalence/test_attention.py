@@ -1,7 +1,7 @@
 """Packing several samples into one micro-batch changes nothing about each sample's prediction.
 
 diffusers' ``Cosmos3AttnProcessor`` runs one sample per sequence; the embedded trainer packs many, kept apart
-by segment masks (``cosmos_framework_ext.attention``). Proofs: with one sample the packed processor equals
+by segment masks (``cosmos_framework_ext.recipe.attention``). Proofs: with one sample the packed processor equals
 the stock one; with two samples packed, each sample's prediction equals running it alone (fp32, rtol 1e-5:
 the attention kernel reduces over a longer, masked key axis).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_cosmos3 import Cosmos3AttnProcessor
 
-from cosmos_framework_ext import attention
-from cosmos_framework_ext.recipe import flow_matching_inputs
+from cosmos_framework_ext.recipe import attention
+from cosmos_framework_ext.recipe.loss import flow_matching_inputs
 from tests.equivalence import tiny_recipe as R
 
 

@@ -1,6 +1,6 @@
 """Block-sparse packed attention (``[onecard].attention = "flex"``) equals the dense-mask reference.
 
-:mod:`cosmos_framework_ext.attention_blocksparse` states the packed-attention rule (text: causal within its own
+:mod:`cosmos_framework_ext.levers.attention_blocksparse` states the packed-attention rule (text: causal within its own
 sample; vision: all text and vision tokens of its own sample) as flex_attention block masks. Proofs, for packed
 micro-batches of 1, 2 and 8 samples (two of them a single text token, two a single vision token) and tiles of
 2, 4, 16 and 128 tokens:
@@ -33,9 +33,9 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
-from cosmos_framework_ext import attention
-from cosmos_framework_ext.attention_blocksparse import BlockSparseSegments, segment_block_mask
-from cosmos_framework_ext.recipe import flow_matching_inputs, micro_batch_loss
+from cosmos_framework_ext.recipe import attention
+from cosmos_framework_ext.levers.attention_blocksparse import BlockSparseSegments, segment_block_mask
+from cosmos_framework_ext.recipe.loss import flow_matching_inputs, micro_batch_loss
 from tests.equivalence import tiny_recipe as R
 
 PACKINGS = {
@@ -214,7 +214,7 @@ def test_compiled_cpu_kernel_skips_tiles_and_matches(monkeypatch):
     """Inductor's CPU flex kernel (it skips unlisted tiles; forward only) with 16-token tiles on the 8-sample
     packing; the planted leak is seen by it too. Compiled static: in PyTorch 2.13 inductor's CPU flex template
     fails to build with symbolic lengths (CppCompileError); the GPU path compiles with dynamic lengths."""
-    from cosmos_framework_ext import attention_blocksparse
+    from cosmos_framework_ext.levers import attention_blocksparse
 
     monkeypatch.setitem(attention_blocksparse._COMPILED, "inductor",
                         torch.compile(attention_blocksparse._flex, dynamic=False))
@@ -254,8 +254,8 @@ def test_training_step_flex_equals_dense():
 
 
 def test_embedded_trainer_flex_equals_dense(tmp_path, monkeypatch, sample_dataset, capsys):
-    """``python -m cosmos_framework_ext.train`` on the tiny preset, one optimizer step: same loss and weights."""
-    from cosmos_framework_ext import train
+    """``python -m cosmos_framework_ext.recipe.train`` on the tiny preset, one optimizer step: same loss and weights."""
+    from cosmos_framework_ext.recipe import train
     from tests.test_train import small_toml
 
     monkeypatch.setenv("DATASET_PATH", str(sample_dataset))

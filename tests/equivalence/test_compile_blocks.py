@@ -1,6 +1,6 @@
 """Compiled blocks (``[model.compile] enabled = true``): a new micro-batch length does not recompile.
 
-:func:`cosmos_framework_ext.compile_blocks.compile_blocks` compiles each decoder layer with its sizes dynamic.
+:func:`cosmos_framework_ext.levers.compile_blocks.compile_blocks` compiles each decoder layer with its sizes dynamic.
 The proof runs packed micro-batches of five different lengths (tiny preset, fp32, CPU, activation checkpointing
 on as in the trainer) through the compiled layers, forward and backward, with the dense and the block-sparse
 attention, and counts the graphs Dynamo compiles (``torch._dynamo.utils.counters``): the first micro-batch
@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosmos_framework_ext import attention
-from cosmos_framework_ext.compile_blocks import compile_blocks, compile_count
-from cosmos_framework_ext.recipe import flow_matching_inputs, micro_batch_loss
+from cosmos_framework_ext.recipe import attention
+from cosmos_framework_ext.levers.compile_blocks import compile_blocks
+from cosmos_framework_ext.recipe.loss import flow_matching_inputs, micro_batch_loss
 from tests.equivalence import tiny_recipe as R
 
 SAMPLES = (3, 4, 5, 6, 7)
@@ -112,3 +112,12 @@ def test_cuda_inductor_blocks_equal_eager_and_do_not_recompile(impl):
     recipe's micro-batches hold 8-12 k vision tokens and over 1000 text tokens: they never cross it."""
     counts = compiles_per_micro_batch(impl, lambda m: compile_blocks(m, dynamic=True), device="cuda", rtol=1e-4)
     assert lengths_do_not_recompile(counts, warmup=3 if impl == "flex" else 2), counts
+
+
+def compile_count() -> int:
+    """Graphs Dynamo has compiled in this process so far (``torch._dynamo.utils.counters['stats']['unique_graphs']``);
+    the difference across micro-batches is the number of (re)compiles they caused."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+

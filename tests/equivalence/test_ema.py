@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from cosmos_framework_ext.ema import (
+from cosmos_framework_ext.levers.ema import (
     EMA,
     CpuSubsetPlacement,
     _CopyHandle,
@@ -244,7 +244,7 @@ def test_device_placement_round_trips_its_counter_and_refuses_a_bare_shadow(ab):
 
 def test_upstream_worker_drives_the_cpu_subset_ema(ab):
     """``HostEmaWorker`` (the lever inside upstream's trainer) speaks upstream's updater API over :class:`EMA`."""
-    from cosmos_framework_ext.upstream import EmaPlaceholder, HostEmaWorker
+    from cosmos_framework_ext.upstream.patches import EmaPlaceholder, HostEmaWorker
 
     model, trainable = R.make_model()
     opt = R.make_optimizer(model)
@@ -479,7 +479,7 @@ def test_resume_broadcast_takes_host_ema_leaves(monkeypatch):
     raises as it did on the GPU."""
     import torch.distributed as dist
 
-    from cosmos_framework_ext.upstream import patched_broadcast_tensor_leaf
+    from cosmos_framework_ext.upstream.patches import patched_broadcast_tensor_leaf
 
     calls = []
 

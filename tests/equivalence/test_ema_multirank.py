@@ -28,7 +28,7 @@ import pytest
 import torch
 from torch import nn
 
-from cosmos_framework_ext.ema import EMA, power_ema_beta, power_ema_gamma
+from cosmos_framework_ext.levers.ema import EMA, power_ema_beta, power_ema_gamma
 from patches.core.runtime import free_port
 
 GAMMA = power_ema_gamma(0.1)
@@ -122,7 +122,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 
     from patches.core.checkpoint import gather_full_state, load_full_state
 
-    from cosmos_framework_ext import upstream
+    from cosmos_framework_ext.upstream import patches as upstream
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -201,7 +201,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
 def _launch(out: Path) -> None:
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "cosmos_framework_ext.upstream",
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "cosmos_framework_ext.upstream.patches",
                                             __name__])
     world = sum(len(g) for g in GROUPS)
     mp.start_processes(_rank, args=(world, free_port(), str(out)), nprocs=world, join=True,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosmos_framework_ext.ema import EMA, power_ema_beta
+from cosmos_framework_ext.levers.ema import EMA, power_ema_beta
 from patches.core.runtime import free_port
 
 from .test_ema_multirank import GAMMA, SHAPES, STEPS, TRAINABLE, Toy, coefficients

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosmos_framework_ext.ema import EMA, power_ema_beta, power_ema_gamma
-from cosmos_framework_ext.frozen_bf16 import FrozenBF16
-from cosmos_framework_ext.optim_offload import OptimStateOffload
+from cosmos_framework_ext.levers.ema import EMA, power_ema_beta, power_ema_gamma
+from cosmos_framework_ext.levers.frozen_bf16 import FrozenBF16
+from cosmos_framework_ext.levers.optim_offload import OptimStateOffload
 from patches.core.checkpoint import gather_full_state, load_full_state
 
 from . import tiny_recipe as R

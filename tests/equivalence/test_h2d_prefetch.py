@@ -1,4 +1,4 @@
-"""Side-stream host-to-device prefetch (``miles_ext.h2d_prefetch``) changes no value.
+"""Side-stream host-to-device prefetch (``miles_ext.levers.h2d_prefetch``) changes no value.
 
 Claim: with the lever on (``apply_fsdp2``'s default under ``cpu_offload``), the LoRA gradients of step 1 and the
 LoRA weights after 2 optimizer steps are **bitwise** equal to FSDP2's own synchronous copy (``h2d_prefetch=False``),
@@ -25,9 +25,9 @@ CASES = {"offload": MODES["offload_exact"], "partial": MODES["partial1"]}
 
 # ------------------------------------------------------------------------------- CPU: the lever stays out of the way
 def _cpu_worker(rank: int, world: int, out_dir: str) -> None:
-    from miles_ext.fsdp_policy import apply_fsdp2
-    from miles_ext.h2d_prefetch import H2DPrefetch, attached, eligible
-    from miles_ext.tiny_run import make_lora_model
+    from miles_ext.levers.fsdp_policy import apply_fsdp2
+    from miles_ext.levers.h2d_prefetch import H2DPrefetch, attached, eligible
+    from tests.equivalence.h3_tiny_run import make_lora_model
 
     model = make_lora_model()
     apply_fsdp2(model, cpu_offload=True, param_dtype=None, mesh=cpu_mesh(), exact_pin=True, h2d_prefetch=True)
@@ -60,7 +60,7 @@ def test_cpu_mesh_attaches_nothing_and_says_why(tmp_path):
 # ------------------------------------------------------------------------------- on the GPU (device machine)
 def _stale_stage(self, result) -> None:
     """Planted bug: the first staged copy of a unit is reused for every later unshard."""
-    from miles_ext.h2d_prefetch import H2DPrefetch
+    from miles_ext.levers.h2d_prefetch import H2DPrefetch
 
     first = getattr(self, "_first", None)
     if first is None:
@@ -71,8 +71,8 @@ def _stale_stage(self, result) -> None:
 
 
 def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
-    from miles_ext import h2d_prefetch
-    from miles_ext.h2d_prefetch import H2DPrefetch
+    from miles_ext.levers import h2d_prefetch
+    from miles_ext.levers.h2d_prefetch import H2DPrefetch
 
     torch.cuda.set_device(0)
     torch.use_deterministic_algorithms(True)

@@ -1,4 +1,4 @@
-"""``miles_ext.export_lora --comfyui``: a file on ComfyUI's (the original checkpoint's) MiniMax-H3 module names that
+"""``miles_ext.recipe.export_lora --comfyui``: a file on ComfyUI's (the original checkpoint's) MiniMax-H3 module names that
 diffusers' own converter reads back to the trained weight deltas.
 
 Anchor: diffusers' ``_convert_non_diffusers_minimax_h3_lora_to_diffusers`` (``loaders/lora_conversion_utils.py``,
@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_ext import export_lora
-from miles_ext.lora import H3_LORA_TARGETS, attach_lora, lora_parameters
+from miles_ext.recipe import export_lora
+from miles_ext.recipe.presets import H3_LORA_TARGETS
+from miles_ext.levers.lora import attach_lora, lora_parameters
 from tests.test_h3_export_lora import base_model, forward
 
 RANK = 4

@@ -1,4 +1,4 @@
-"""``miles_ext.finite_step``: a non-finite loss or gradient skips the optimizer step, on every rank, exactly.
+"""``miles_ext.levers.finite_step``: a non-finite loss or gradient skips the optimizer step, on every rank, exactly.
 
 Claims (tiny H3, LoRA rank 8, AdamW, clip 0.05, CPU, fp32):
 
@@ -26,9 +26,11 @@ from unittest import mock
 import pytest
 import torch
 
-from miles_ext import finite_step, sft
-from miles_ext.finite_step import NonFiniteGuard, NonFiniteTraining, require_finite
-from miles_ext.recipe import pair_schedule, rank_schedule
+from miles_ext.levers import finite_step
+from miles_ext.recipe import sft
+from miles_ext.levers.finite_step import NonFiniteGuard, NonFiniteTraining, require_finite
+from miles_ext.recipe.schedule import pair_schedule
+from tests.equivalence.h3_tiny_run import rank_schedule
 from tests.equivalence.h3_ranks import cpu_mesh, launch
 
 SEED, CLIP, GBS, STEPS = 7, 0.05, 4, 3
@@ -51,7 +53,7 @@ class IgnoresLoss(NonFiniteGuard):
 
 
 def _adapters(model) -> dict[str, torch.Tensor]:
-    from miles_ext.lora import lora_parameters
+    from miles_ext.levers.lora import lora_parameters
 
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in lora_parameters(model).items()}
@@ -72,7 +74,7 @@ def _equal(a, b) -> bool:
 
 def _plant_nan_grad(model) -> None:
     """One NaN element in one adapter gradient (the local shard under FSDP2)."""
-    from miles_ext.lora import lora_parameters
+    from miles_ext.levers.lora import lora_parameters
 
     p = next(iter(lora_parameters(model).values()))
     g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -90,7 +92,7 @@ def single_run(steps: list[int], fault: str | None = None, guard_cls=NonFiniteGu
     """Train the optimizer steps ``steps`` (indices into a 3-step schedule) on one process (no FSDP); step
     ``BAD_STEP`` gets ``fault`` ("grad": a NaN gradient element, "loss": an inf loss). Records the adapters and the
     AdamW state around every step."""
-    from miles_ext.tiny_run import OPTIM, make_lora_model, synthetic_pairs
+    from tests.equivalence.h3_tiny_run import OPTIM, make_lora_model, synthetic_pairs
 
     sched = pair_schedule(GBS, 2, STEPS, 1)
     pairs = synthetic_pairs(GBS * STEPS)
@@ -115,7 +117,7 @@ def single_run(steps: list[int], fault: str | None = None, guard_cls=NonFiniteGu
 
 
 def _adapters_params(model):
-    from miles_ext.lora import lora_parameters
+    from miles_ext.levers.lora import lora_parameters
 
     return lora_parameters(model).values()
 
@@ -189,9 +191,9 @@ def test_the_checkpoint_refuses_nan_adapters():
 def multi_run(rank: int, fault: str) -> dict[str, Any]:
     """This rank's part of a 2-rank FSDP2 (CPU offload, fp32) run of 3 steps; on step ``BAD_STEP`` rank 1 plants a
     NaN in its local gradient shard ("grad") or rank 0 alone sees an inf loss ("loss")."""
-    from miles_ext.fsdp_policy import apply_fsdp2
-    from miles_ext.lora import lora_parameters
-    from miles_ext.tiny_run import OPTIM, make_lora_model, synthetic_pairs
+    from miles_ext.levers.fsdp_policy import apply_fsdp2
+    from miles_ext.levers.lora import lora_parameters
+    from tests.equivalence.h3_tiny_run import OPTIM, make_lora_model, synthetic_pairs
 
     plan = rank_schedule(GBS, 2, rank, STEPS, 1)
     pairs = synthetic_pairs(GBS * STEPS)

@@ -9,7 +9,7 @@ in a real run) checks:
   dtype``. The rule is over trainable parameters only.
 - **What PEFT does** under own adapter units: it casts the LoRA input to ``lora_A.weight.dtype`` before
   ``lora_A``'s FSDP hook gathers it, so an adapter unit that is not gathered with its block fails with a dtype
-  mismatch; :func:`miles_ext.fsdp_policy.apply_fsdp2` gathers it with the block (and then trains).
+  mismatch; :func:`miles_ext.levers.fsdp_policy.apply_fsdp2` gathers it with the block (and then trains).
 - **Unit layout** of ``apply_fsdp2``: one adapter unit per block holding only fp32 LoRA parameters; block, norm
   and root units hold no trainable parameter; everything (sharded params, grads) lives on the host. The adapters
   compute in the base's ``param_dtype`` (bf16), as under upstream's single policy.
@@ -31,14 +31,14 @@ import pytest
 import torch
 from torch import nn
 
-from miles_ext.fsdp_policy import apply_fsdp2, clip_offloaded_grad_norm, parse_master_dtype, set_master_dtype
+from miles_ext.levers.fsdp_policy import clip_offloaded_grad_norm, parse_master_dtype, set_master_dtype
 from tests.equivalence.h3_ranks import cpu_mesh, launch
 
 WORLD = 2
 
 
 def _micro_batch_loss(model: nn.Module, pairs, index: int) -> torch.Tensor:
-    from miles_ext.sft import draw_micro_batch, micro_batch_loss_sum
+    from miles_ext.recipe.sft import draw_micro_batch, micro_batch_loss_sum
 
     noised = draw_micro_batch([pairs[index]], seed=7, rollout_id=0, microbatch_id=index, dp_rank=0)
     return micro_batch_loss_sum(model, noised)
@@ -70,8 +70,8 @@ def _adapter_unit_without_block_gather() -> str:
     """Own adapter units built by hand, without apply_fsdp2's gather-with-block hook."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from miles_ext.fsdp_policy import _adapter_linears
-    from miles_ext.tiny_run import make_lora_model, synthetic_pairs
+    from miles_ext.levers.fsdp_policy import _adapter_linears
+    from tests.equivalence.h3_tiny_run import make_lora_model, synthetic_pairs
 
     model = make_lora_model(master_dtype="bf16")
     kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=False), mesh=cpu_mesh(),
@@ -90,12 +90,12 @@ def _adapter_unit_without_block_gather() -> str:
 
 
 def _trainer_model(run_dir: str) -> nn.Module:
-    """The model exactly as ``miles_ext.train`` builds it (``H3SFTRecipe._build_model``, its call order and
+    """The model exactly as ``miles_ext.recipe.train`` builds it (``H3SFTRecipe._build_model``, its call order and
     arguments): the base built in the bf16 master dtype, LoRA attached, gradient checkpointing, then
     ``apply_fsdp2(cpu_offload=True, master_dtype=bf16)`` with the policy's defaults -- the master-dtype pass runs
     with the adapters already in the model."""
-    from miles_ext.presets import get_preset
-    from miles_ext.train import H3SFTConfig, H3SFTRecipe
+    from miles_ext.recipe.presets import get_preset
+    from miles_ext.recipe.train import H3SFTConfig, H3SFTRecipe
 
     recipe = H3SFTRecipe(H3SFTConfig(preset="tiny", lora_rank=8, lora_alpha=16, fsdp_cpu_offload=True, seed=0,
                                      output_dir=run_dir))
@@ -105,9 +105,9 @@ def _trainer_model(run_dir: str) -> nn.Module:
 
 
 def _worker(rank: int, world: int, out: str) -> None:
-    from miles_ext.fsdp_policy import _adapter_linears, fsdp_units
-    from miles_ext.lora import lora_parameters
-    from miles_ext.tiny_run import synthetic_pairs
+    from miles_ext.levers.fsdp_policy import _adapter_linears
+    from miles_ext.levers.lora import lora_parameters
+    from tests.equivalence.h3_tiny_run import synthetic_pairs
 
     res: dict[str, Any] = {"dtype_rule": _dtype_rule(), "no_block_gather": _adapter_unit_without_block_gather()}
 
@@ -238,7 +238,7 @@ def test_master_dtype_outside_fp32_bf16_is_refused(bad):
 
 
 def test_master_dtype_keeps_fp32_modules_and_buffers():
-    from miles_ext.presets import build_transformer
+    from miles_ext.recipe.presets import build_transformer
 
     model = set_master_dtype(build_transformer("tiny"), "bf16")
     assert model.rope.inv_freq.dtype == torch.float32
@@ -247,3 +247,26 @@ def test_master_dtype_keeps_fp32_modules_and_buffers():
     assert model.transformer_blocks[0].attn.to_q.weight.dtype == torch.bfloat16
     assert model.norm_out.linear.weight.dtype == torch.bfloat16
     assert parse_master_dtype("bf16") is torch.bfloat16 and parse_master_dtype(torch.float32) is torch.float32
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[list[str], dict[str, torch.dtype]]]:
+    """For inspection and tests: every FSDP2 unit of ``model`` as (its module names, {parameter name: stored
+    dtype}), root first. Reads FSDP2's per-unit state (private attributes of torch 2.11 .. 2.13)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    pnames = {id(p): n for n, p in model.named_parameters()}
+    out: list[tuple[list[str], dict[str, torch.dtype]]] = []
+    seen: set[int] = set()
+    for m in model.modules():
+        if not isinstance(m, FSDPModule) or id(m) in seen:
+            continue
+        state = m._get_fsdp_state()
+        seen.update(id(x) for x in state._modules)
+        groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; 2.11 has one _fsdp_param_group
+        if groups is None:
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        params = {pnames.get(id(fp.sharded_param), "?"): fp.sharded_param.dtype for g in groups for fp in g.fsdp_params}
+        out.append(([names.get(id(x), "?") for x in state._modules], params))
+    return out
+

@@ -1,11 +1,11 @@
-"""``miles_ext.fsdp_policy``'s master dtype: a bf16 master trains what an fp32 master trains (frozen H3 base,
+"""``miles_ext.levers.fsdp_policy``'s master dtype: a bf16 master trains what an fp32 master trains (frozen H3 base,
 LoRA-only, FSDP2 with CPU offload).
 
 The 8-GPU recipe stores the base in fp32 (``--fsdp-master-dtype fp32``); the 1-GPU port stores it in bf16,
 halving the host bytes of the offloaded base. Both gather the base at ``param_dtype`` bf16 for the forward
 (``--diffusion-forward-dtype``), and the ``_keep_in_fp32_modules`` stay fp32 under both, so the forward sees
 bit-identical weights: bf16(w) for a weight stored fp32 and the same bf16(w) stored bf16. The adapters are
-fp32 under both (PEFT autocast) and initialised identically (:func:`miles_ext.lora.attach_lora` replays the
+fp32 under both (PEFT autocast) and initialised identically (:func:`miles_ext.levers.lora.attach_lora` replays the
 fp32 init on a bf16 base).
 
 Claims, one spawned rank (gloo), tiny H3, LoRA rank 8, AdamW, the recipe's 8-pair step (8 micro-batches):
@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 
-from miles_ext.recipe import pair_schedule
+from miles_ext.recipe.schedule import pair_schedule
 from patches.core.runtime import free_port
 from tests.equivalence.h3_ranks import cpu_mesh, launch
 
@@ -35,10 +35,10 @@ RUNS = ("fp32", "bf16", "bug_bf16_adapters", "bug_plain_peft_init")
 
 
 def _model(kind: str) -> torch.nn.Module:
-    from miles_ext.fsdp_policy import set_master_dtype
-    from miles_ext.lora import H3_LORA_TARGETS
-    from miles_ext.presets import build_transformer
-    from miles_ext.tiny_run import make_lora_model
+    from miles_ext.levers.fsdp_policy import set_master_dtype
+    from miles_ext.recipe.presets import H3_LORA_TARGETS
+    from miles_ext.recipe.presets import build_transformer
+    from tests.equivalence.h3_tiny_run import make_lora_model
 
     if kind in ("fp32", "bf16"):
         return make_lora_model(master_dtype=kind)
@@ -57,10 +57,10 @@ def _model(kind: str) -> torch.nn.Module:
 
 
 def _run(kind: str) -> dict[str, Any]:
-    from miles_ext.fsdp_policy import apply_fsdp2
-    from miles_ext.lora import lora_parameters
-    from miles_ext.sft import train_step
-    from miles_ext.tiny_run import OPTIM, synthetic_pairs
+    from miles_ext.levers.fsdp_policy import apply_fsdp2
+    from miles_ext.levers.lora import lora_parameters
+    from miles_ext.recipe.sft import train_step
+    from tests.equivalence.h3_tiny_run import OPTIM, synthetic_pairs
 
     model = _model(kind)
     stored = {n: p.dtype for n, p in model.named_parameters()}
@@ -165,10 +165,10 @@ def _cuda_entry(rank: int, world: int, port: int, out: str) -> None:
     # upstream's group under --fsdp-cpu-offload: host tensors (offloaded grads, the clip norm) go through gloo
     dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world)
     try:
-        from miles_ext.fsdp_policy import apply_fsdp2
-        from miles_ext.lora import lora_parameters
-        from miles_ext.sft import draw_micro_batch, micro_batch_loss_sum, train_step
-        from miles_ext.tiny_run import OPTIM, make_lora_model, synthetic_pairs
+        from miles_ext.levers.fsdp_policy import apply_fsdp2
+        from miles_ext.levers.lora import lora_parameters
+        from miles_ext.recipe.sft import draw_micro_batch, micro_batch_loss_sum, train_step
+        from tests.equivalence.h3_tiny_run import OPTIM, make_lora_model, synthetic_pairs
 
         pairs = synthetic_pairs(32)
         res: dict[str, Any] = {}

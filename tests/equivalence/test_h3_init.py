@@ -1,4 +1,4 @@
-"""Low-RAM fast init (:mod:`miles_ext.fast_init`, issue 14 item 2): what the meta build + per-tensor materialisation
+"""Low-RAM fast init (:mod:`miles_ext.levers.fast_init`): what the meta build + per-tensor materialisation
 into the final storage equals, and its host peak.
 
 Claims (CPU, gloo ranks, the tiny H3 preset with LoRA rank 4, bf16 master as the trainer stores it):
@@ -9,7 +9,7 @@ Claims (CPU, gloo ranks, the tiny H3 preset with LoRA rank 4, bf16 master as the
   the same dtype as, ``MiniMaxH3Transformer3DModel.from_pretrained(..., torch_dtype=bf16)`` of the same files (the
   ``_keep_in_fp32_modules`` fp32); the rope buffer too; the single-file layout under a pipeline's ``transformer/``
   as well. The LoRA adapters equal ``attach_lora`` on a real model from the same seed.
-- **Random init**: the base equals :func:`miles_ext.fast_init.reference_random_init` (the same per-parameter
+- **Random init**: the base equals :func:`reference_random_init` (below) (the same per-parameter
   generators applied to a fully built, unsharded model) **bitwise**, whatever the fill order (module order in one
   thread, reversed order in two threads) and placement (fully offloaded or partially resident). It does *not* equal
   the old constructor init (global RNG); asserted, so that the README's wording stays true.
@@ -30,6 +30,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
+from miles_ext.levers.fast_init import RandomInit, diffusers_name
+from miles_ext.recipe.presets import H3_LORA_TARGETS, meta_transformer
 
 from tests.equivalence.h3_ranks import cpu_mesh, launch
 
@@ -38,12 +42,12 @@ RANK, ALPHA, SEED, LORA_SEED = 4, 8, 11, 7
 
 def _build(source, *, resident=None, order=None, threads=1, preset="tiny"):
     """Meta build + LoRA + FSDP2 (CPU offload, exact arena) + materialise from ``source``."""
-    from miles_ext import fast_init
-    from miles_ext.fsdp_policy import apply_fsdp2, set_master_dtype
+    from miles_ext.levers import fast_init
+    from miles_ext.levers.fsdp_policy import apply_fsdp2, set_master_dtype
 
-    model = fast_init.meta_transformer(preset)
+    model = meta_transformer(preset)
     torch.manual_seed(LORA_SEED)
-    fast_init.attach_lora_materialised(model, rank=RANK, alpha=ALPHA)
+    fast_init.attach_lora_materialised(model, rank=RANK, alpha=ALPHA, target_modules=H3_LORA_TARGETS)
     set_master_dtype(model, torch.bfloat16)
     apply_fsdp2(model, cpu_offload=True, mesh=cpu_mesh(), param_dtype=None, resident=resident,
                 adapters_on_device=resident is not None, exact_pin=True)
@@ -55,7 +59,7 @@ def _build(source, *, resident=None, order=None, threads=1, preset="tiny"):
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    from miles_ext.fast_init import diffusers_name
+    from miles_ext.levers.fast_init import diffusers_name
 
     return {diffusers_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in model.named_parameters()}
@@ -63,15 +67,14 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 def _real_reference(source=None):
     """A fully built tiny model (LoRA from LORA_SEED, bf16 master) -- with ``source``: reference_random_init."""
-    from miles_ext.fast_init import reference_random_init
-    from miles_ext.fsdp_policy import set_master_dtype
-    from miles_ext.lora import attach_lora
-    from miles_ext.presets import build_transformer
+    from miles_ext.levers.fsdp_policy import set_master_dtype
+    from miles_ext.levers.lora import attach_lora
+    from miles_ext.recipe.presets import build_transformer
 
     torch.manual_seed(0)
     model = build_transformer("tiny")
     torch.manual_seed(LORA_SEED)
-    attach_lora(model, rank=RANK, alpha=ALPHA)
+    attach_lora(model, rank=RANK, alpha=ALPHA, target_modules=H3_LORA_TARGETS)
     set_master_dtype(model, torch.bfloat16)
     if source is not None:
         reference_random_init(model, source)
@@ -81,8 +84,8 @@ def _real_reference(source=None):
 def _worker(rank: int, world: int, out_dir: str) -> None:
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Transformer3DModel
 
-    from miles_ext import fast_init
-    from miles_ext.presets import build_transformer
+    from miles_ext.levers import fast_init
+    from miles_ext.recipe.presets import build_transformer
 
     out = Path(out_dir)
     if rank == 0:
@@ -191,7 +194,7 @@ def _peak_of(init) -> dict[str, int]:
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset VmHWM to the current RSS
     model = init()
-    from miles_ext.pinned import pinned_report
+    from miles_ext.levers.pinned import pinned_report
 
     out = {"before": before, "peak": _status("VmHWM"), "after": _status("VmRSS"),
            "arena": pinned_report(model).arena_bytes}
@@ -201,10 +204,10 @@ def _peak_of(init) -> dict[str, int]:
 
 
 def _peak_worker(rank: int, world: int, out_dir: str) -> None:
-    from miles_ext import fast_init
-    from miles_ext.fsdp_policy import apply_fsdp2
-    from miles_ext.lora import attach_lora
-    from miles_ext.presets import TINY, build_transformer
+    from miles_ext.levers import fast_init
+    from miles_ext.levers.fsdp_policy import apply_fsdp2
+    from miles_ext.levers.lora import attach_lora
+    from miles_ext.recipe.presets import TINY, build_transformer
 
     mid = dataclasses.replace(TINY, name="mid", **MID)
 
@@ -219,7 +222,7 @@ def _peak_worker(rank: int, world: int, out_dir: str) -> None:
             model = build_transformer(mid)
         finally:
             torch.set_default_dtype(prev)
-        attach_lora(model, rank=RANK, alpha=ALPHA)
+        attach_lora(model, rank=RANK, alpha=ALPHA, target_modules=H3_LORA_TARGETS)
         apply_fsdp2(model, cpu_offload=True, mesh=cpu_mesh(), param_dtype=None, master_dtype="bf16", exact_pin=True)
         return model
 
@@ -228,7 +231,7 @@ def _peak_worker(rank: int, world: int, out_dir: str) -> None:
 
 
 def within(m: dict[str, int], steady: int, tol: float = 0.05) -> bool:
-    """Issue 14's target, on the init's own growth: ``peak - before <= (1 + tol) * steady``, ``steady`` the growth
+    """The host target, on the init's own growth: ``peak - before <= (1 + tol) * steady``, ``steady`` the growth
     the model's final storage needs (the fast path's RSS after init minus before: the arena, measured). Not the old
     path's own RSS after init: the allocator keeps the freed full-model copy mapped, inflating its "steady" state."""
     return m["peak"] - m["before"] <= (1 + tol) * steady
@@ -247,3 +250,22 @@ def test_host_peak_during_init_is_within_five_percent_of_steady(tmp_path):
     assert within(m["fast"], steady), m
     assert not within(m["old"], steady), m  # the planted full-model host copy is caught
     assert m["old"]["peak"] - m["old"]["before"] > 1.5 * steady, m
+
+
+def reference_random_init(model: nn.Module, source: RandomInit) -> nn.Module:
+    """The claim :class:`RandomInit` is tested against: every base parameter of a fully built (unsharded, real)
+    ``model`` overwritten, in place, with :meth:`RandomInit.fill` from its own generator, drawn on the source's
+    device in the parameter's dtype. Returns ``model``."""
+    modules = dict(model.named_modules())
+    device = source.device()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_A." in name or ".lora_B." in name:
+                continue
+            owner_name, _, attr = name.rpartition(".")
+            tmp = torch.empty(p.shape, dtype=p.dtype, device=device)
+            source.fill(diffusers_name(name), modules[owner_name], attr, tmp, source.generator(diffusers_name(name),
+                                                                                               device))
+            p.copy_(tmp)
+    return model
+

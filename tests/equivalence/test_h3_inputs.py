@@ -1,4 +1,4 @@
-"""``miles_ext.h3_inputs``: the packed t2va layout of one pair (single process).
+"""``miles_ext.recipe.h3_inputs``: the packed t2va layout of one pair (single process).
 
 Modality tags, text positions, per-row timesteps, the inverse of the packing, refusals of bad shapes, and a
 batch-1 forward of the tiny H3 on the packed inputs.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_ext.h3_inputs import build_h3_inputs, patchify_video, unpatchify_video
-from miles_ext.presets import build_transformer
+from miles_ext.recipe.h3_inputs import build_h3_inputs, patchify_video, unpatchify_video
+from miles_ext.recipe.presets import build_transformer
 
 
 def test_packed_layout_of_one_pair():

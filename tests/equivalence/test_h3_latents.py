@@ -1,4 +1,4 @@
-"""``miles_ext.h3_latents``: the trainer's video latents are encoded as diffusers' own H3 code encodes them.
+"""``miles_ext.recipe.h3_latents``: the trainer's video latents are encoded as diffusers' own H3 code encodes them.
 
 Anchor: diffusers' ``encode_vae_condition`` (``modular_pipelines/minimax_h3/encoders.py``), run on the same clip
 through the same tiny ``AutoencoderKLMiniMaxH3`` whose config holds **non-trivial** ``latents_mean`` / ``latents_std``
@@ -22,16 +22,15 @@ from typing import Callable
 import pytest
 import torch
 
-from miles_ext import h3_latents
-from miles_ext.h3_latents import (
-    denormalize_h3_latents,
+from miles_ext.recipe import h3_latents
+from miles_ext.recipe.h3_latents import (
     encode_h3_video,
     h3_pixel_stats,
     h3_vae_pixels,
     latent_stats_tag,
     normalize_h3_latents,
 )
-from miles_ext.presets import get_preset
+from miles_ext.recipe.presets import get_preset
 
 C = 24
 
@@ -69,7 +68,7 @@ def clip_u8(seed: int = 1, frames: int = 9, size: int = 16) -> torch.Tensor:
 
 
 def as_decoded(u8: torch.Tensor) -> torch.Tensor:
-    """What ``cosmos_framework_ext.data.decode_window`` returns for these frames: ``u8 / 127.5 - 1``, fp32."""
+    """What ``cosmos_framework_ext.recipe.data.decode_window`` returns for these frames: ``u8 / 127.5 - 1``, fp32."""
     return u8.to(torch.float32).div_(127.5).sub_(1.0)
 
 
@@ -158,12 +157,11 @@ def test_planted_bug_fails_the_check(bug, needle):
 
 # --------------------------------------------------------------------------------------------- trainer
 def test_trainer_pair_encoder_uses_the_diffusers_encode(monkeypatch):
-    from cosmos_framework_ext import data as cdata
-    from miles_ext.train import _PairEncoder
+    from miles_ext.recipe import data as h3data
 
     u8 = clip_u8(3, frames=9, size=16)
-    monkeypatch.setattr(cdata, "decode_window", lambda *a, **k: as_decoded(u8))
-    enc = _PairEncoder(get_preset("tiny"), torch.device("cpu"), text_random=True)
+    monkeypatch.setattr(h3data, "decode_window", lambda *a, **k: as_decoded(u8))
+    enc = h3data.PairEncoder(get_preset("tiny"), torch.device("cpu"), text_random=True)
     enc.vae = tiny_vae(5)
     enc.enc = types.SimpleNamespace(encode=lambda caption: torch.zeros(2, 384), description="stub")
     rec = types.SimpleNamespace(video_path="clip.mp4", caption="a clip")
@@ -178,3 +176,13 @@ def test_cache_key_names_the_normalisation():
     assert latent_stats_tag(a) != latent_stats_tag(b) != latent_stats_tag(tiny_vae(trivial=True).config)
     assert latent_stats_tag(a) == latent_stats_tag(tiny_vae(0).config) and latent_stats_tag(a).startswith("h3-latents-v1:")
     assert h3_latents.PIXEL_RANGE
+
+
+def denormalize_h3_latents(latent: torch.Tensor, config) -> torch.Tensor:
+    """The inverse, ``latent * latents_std + latents_mean`` (diffusers' H3 decode step), fp32, from the config's
+    lists directly (independent of the encoder's own helper)."""
+    mean = torch.tensor([float(x) for x in config.latents_mean], device=latent.device)
+    std = torch.tensor([float(x) for x in config.latents_std], device=latent.device)
+    view = (-1, 1, 1, 1) if latent.dim() == 4 else (1, -1, 1, 1, 1)
+    return latent.float() * std.view(*view) + mean.view(*view)
+

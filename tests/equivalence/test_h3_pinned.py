@@ -1,4 +1,4 @@
-"""Exact pinned memory for FSDP2's CPU offload (``miles_ext.pinned``, ``apply_fsdp2(exact_pin=True)``).
+"""Exact pinned memory for FSDP2's CPU offload (``miles_ext.levers.pinned``, ``apply_fsdp2(exact_pin=True)``).
 
 On the CPU (3 gloo ranks, so shards are uneven and padded; tiny H3 + LoRA, fp32) the bookkeeping:
 
@@ -7,12 +7,12 @@ On the CPU (3 gloo ranks, so shards are uneven and padded; tiny H3 + LoRA, fp32)
 - the report's requested bytes are the sum of the shards' bytes, the arena is within 63 B per shard of it;
 - the parameters hold the same values as with FSDP2's own host storage (full tensors compared bitwise), and no
   offloaded shard keeps ``pin_memory`` (FSDP2 would re-pin it through the caching allocator);
-- the <= 5 % check (:func:`miles_ext.pinned.locked_within`) accepts the arena and rejects the caching host
+- the <= 5 % check (:func:`miles_ext.levers.pinned.locked_within`) accepts the arena and rejects the caching host
   allocator's power-of-two rounding of the same shards -- on the full 33 B preset's shard sizes too (meta
   device, nothing allocated): the planted bug.
 
 On a GPU (``test_cuda_*``, for the device machine): the bytes measured as locked
-(:func:`miles_ext.pinned.locked_bytes`) grow by the requested bytes within 5 %.
+(:func:`miles_ext.levers.pinned.locked_bytes`) grow by the requested bytes within 5 %.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_ext.levers.pinned import locked_within, power_of_two_bytes
 from tests.equivalence.h3_ranks import cpu_mesh, launch
 
 
 def _build(exact: bool, mesh=None):
-    from miles_ext.fsdp_policy import apply_fsdp2
-    from miles_ext.tiny_run import make_lora_model
+    from miles_ext.levers.fsdp_policy import apply_fsdp2
+    from tests.equivalence.h3_tiny_run import make_lora_model
 
     model = make_lora_model()
     apply_fsdp2(model, cpu_offload=True, param_dtype=None, mesh=mesh, exact_pin=exact)
@@ -35,7 +36,7 @@ def _build(exact: bool, mesh=None):
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
-    from miles_ext.pinned import ARENA_ATTR, offloaded_fsdp_params, pinned_report
+    from miles_ext.levers.pinned import ARENA_ATTR, offloaded_fsdp_params, pinned_report
 
     plain, exact = _build(False, cpu_mesh()), _build(True, cpu_mesh())
     fps = offloaded_fsdp_params(exact)
@@ -87,7 +88,6 @@ def test_values_equal_fsdp2_own_storage(result):
 
 
 def test_five_percent_check_accepts_arena_rejects_power_of_two_rounding(result):
-    from miles_ext.pinned import locked_within, power_of_two_bytes
 
     r = result["report"]
     assert locked_within(r["requested_bytes"], r["arena_bytes"])
@@ -98,9 +98,8 @@ def test_five_percent_check_accepts_arena_rejects_power_of_two_rounding(result):
 def test_full_preset_shards_rounding_is_far_above_five_percent():
     """The 33 B preset's per-parameter shards (one rank, bf16 master, meta device): the power-of-two blocks the
     caching allocator would lock versus the bytes asked."""
-    from miles_ext.fsdp_policy import keep_in_fp32_names
-    from miles_ext.pinned import locked_within, power_of_two_bytes
-    from miles_ext.presets import build_transformer
+    from miles_ext.levers.fsdp_policy import keep_in_fp32_names
+    from miles_ext.recipe.presets import build_transformer
 
     model = build_transformer("full", device="meta")
     keep = keep_in_fp32_names(model)
@@ -112,7 +111,7 @@ def test_full_preset_shards_rounding_is_far_above_five_percent():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 def test_cuda_locked_bytes_within_five_percent_of_requested():
-    from miles_ext.pinned import locked_bytes, locked_within, pinned_report
+    from miles_ext.levers.pinned import locked_bytes, pinned_report
     from patches.core.runtime import free_port
 
     import os

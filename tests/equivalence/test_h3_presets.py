@@ -1,4 +1,4 @@
-"""``miles_ext.presets``: ``full`` is the real H3, ``tiny`` the same classes shrunk (single process).
+"""``miles_ext.recipe.presets``: ``full`` is the real H3, ``tiny`` the same classes shrunk (single process).
 
 ``full`` is diffusers' default ``MiniMaxH3Transformer3DModel()``: 33,122,992,896 parameters (the count in
 radixark/miles_diffusion's code); the recipe's LoRA (rank 64, H3 targets) adapts 312 linears with
@@ -14,14 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from miles_ext.lora import matched_target_modules
-from miles_ext.presets import FULL, TINY, build_transformer, build_vae, count_parameters, get_preset
+from miles_ext.recipe.presets import H3_LORA_TARGETS
+
+from miles_ext.levers.lora import matched_target_modules
+from miles_ext.recipe.presets import FULL, TINY, build_transformer, build_vae, get_preset
 
 
 def test_full_preset_is_the_real_h3():
     model = build_transformer("full", device="meta")
     assert count_parameters(model) == FULL.expected_num_params == 33_122_992_896
-    names = matched_target_modules(model)
+    names = matched_target_modules(model, H3_LORA_TARGETS)
     mods = dict(model.named_modules())
     assert len(names) == 52 * 6  # 50 blocks + 2 refiner blocks, 6 targets each
     assert sum(64 * (mods[n].in_features + mods[n].out_features) for n in names) == 345_899_008
@@ -48,3 +50,9 @@ def test_tiny_vae_encodes_and_decodes_on_cpu():
     assert z.shape[1] == TINY.in_channels and x.shape[-2:] == (16, 16)
     assert count_parameters(vae) < 100_000
     assert FULL.vae.latent_channels == 24 and FULL.vae.block_out_channels[-1] == 1024
+
+
+def count_parameters(module: torch.nn.Module) -> int:
+    """Number of parameter elements of ``module`` (works on the meta device)."""
+    return sum(p.numel() for p in module.parameters())
+

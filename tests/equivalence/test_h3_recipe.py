@@ -1,12 +1,12 @@
-"""``miles_ext.recipe``'s 8->1 schedule: one GPU trains what N GPUs train (MiniMax-H3 LoRA SFT, N ranks x 1
+"""``miles_ext.recipe.schedule``'s 8->1 schedule: one GPU trains what N GPUs train (MiniMax-H3 LoRA SFT, N ranks x 1
 micro-batch == 1 rank x N accumulated), and the schedule / seeding units it rests on.
 
-The N-rank side is upstream's semantics, stated independently (:func:`miles_ext.recipe.rank_schedule`):
+The N-rank side is upstream's semantics, stated independently (:func:`tests.equivalence.h3_tiny_run.rank_schedule`):
 contiguous DP split, per-rank windows, ``microbatch_id`` counted per rank, ``dp_rank`` = rank, every rank
 backprops ``loss_sum / num_local_pairs`` and FSDP2 averages over ranks. The 1-rank side runs
-:func:`miles_ext.recipe.pair_schedule`: micro-batch j of a step trains rank j's pairs with rank j's seed
+:func:`miles_ext.recipe.schedule.pair_schedule`: micro-batch j of a step trains rank j's pairs with rank j's seed
 identity. Both sides: the tiny H3 preset with LoRA (rank 8, gaussian init), FSDP2 with CPU offload, fp32
-throughout (master, compute and reduce), grad clip 0.05 (:func:`miles_ext.fsdp_policy.clip_offloaded_grad_norm`;
+throughout (master, compute and reduce), grad clip 0.05 (:func:`miles_ext.levers.fsdp_policy.clip_offloaded_grad_norm`;
 active: the step-1 norm is about 0.09, so the sharded norm is exercised too), the recipe's batch (rollout 32,
 4 steps per rollout -> global batch 8, micro-batch 1). N = 8, 4 and 2; 3 steps each.
 
@@ -52,7 +52,9 @@ from typing import Any
 import pytest
 import torch
 
-from miles_ext.recipe import MicroBatchSlot, derive_batch, pair_schedule, rank_schedule, stable_hash
+from miles_ext.recipe.schedule import MicroBatchSlot, derive_batch, pair_schedule
+from tests.equivalence.h3_tiny_run import rank_schedule
+from patches.core.runtime import stable_hash
 from tests.equivalence.h3_ranks import cpu_mesh, launch
 
 ROLLOUT, STEPS_PER_ROLLOUT, MBS, SEED = 32, 4, 1, 1234
@@ -73,10 +75,10 @@ def run(plan: Plan, *, optim: str = "adamw", normaliser=None) -> dict[str, dict[
     """Train ``plan`` (this rank's micro-batch slots per step) on a fresh FSDP2 (CPU offload, fp32) tiny H3 with
     LoRA. Returns full (unsharded) LoRA weights before training (``init``), gradients after step 1 before
     clipping (``grads``) and weights after the last step (``weights``). Collective: every rank must call it."""
-    from miles_ext.fsdp_policy import apply_fsdp2
-    from miles_ext.lora import lora_parameters
-    from miles_ext.sft import loss_over_local_pairs, train_step
-    from miles_ext.tiny_run import OPTIM, make_lora_model, synthetic_pairs
+    from miles_ext.levers.fsdp_policy import apply_fsdp2
+    from miles_ext.levers.lora import lora_parameters
+    from miles_ext.recipe.sft import loss_over_local_pairs, train_step
+    from tests.equivalence.h3_tiny_run import OPTIM, make_lora_model, synthetic_pairs
 
     pairs = synthetic_pairs(GBS * STEPS_PER_ROLLOUT)
     model = make_lora_model()
@@ -204,9 +206,9 @@ def test_planted_bug_breaks_the_proof(results, bug):
 def _hand_step_grads(world: int) -> dict[str, torch.Tensor]:
     """Step 1's gradient written out, in one process without FSDP: (sum over the step's 8 pairs of their pair
     loss, each drawn with the seed identity of the rank that trains it under ``world`` ranks) / 8."""
-    from miles_ext.lora import lora_parameters
-    from miles_ext.sft import draw_micro_batch, pair_loss
-    from miles_ext.tiny_run import make_lora_model, synthetic_pairs
+    from miles_ext.levers.lora import lora_parameters
+    from miles_ext.recipe.sft import draw_micro_batch, pair_loss
+    from tests.equivalence.h3_tiny_run import make_lora_model, synthetic_pairs
 
     pairs = synthetic_pairs(GBS * STEPS_PER_ROLLOUT)
     model = make_lora_model()

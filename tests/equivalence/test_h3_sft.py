@@ -1,4 +1,4 @@
-"""``miles_ext.sft``: the SFT draws and the loss sum (single process).
+"""``miles_ext.recipe.sft``: the SFT draws and the loss sum (single process).
 
 ``stable_hash("sample", seed, rollout_id, microbatch_id, dp_rank)`` seeds randint over the shifted sigma grid,
 then randn; the audio stream adds its name to the hash and leaves the visual draws unchanged; ``loss_sum`` is
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from miles_ext.presets import build_transformer
-from miles_ext.recipe import stable_hash
-from miles_ext.sft import (
+from miles_ext.recipe.presets import build_transformer
+from patches.core.runtime import stable_hash
+from miles_ext.recipe.sft import (
     H3_FLOW_SHIFTS,
     SftPair,
     draw_micro_batch,
@@ -73,7 +73,7 @@ def test_loss_sum_is_the_sum_of_pair_losses():
 
 def test_pair_loss_is_video_mse_plus_audio_mse_by_hand():
     """``pair_loss`` written out from the model's outputs: mean((v - (x0_v - eps_v))^2) + mean((a - (x0_a - eps_a))^2)."""
-    from miles_ext.h3_inputs import build_h3_inputs
+    from miles_ext.recipe.h3_inputs import build_h3_inputs
 
     torch.manual_seed(0)
     model = build_transformer("tiny")
@@ -92,8 +92,8 @@ def test_pair_loss_is_video_mse_plus_audio_mse_by_hand():
 # ---------------------------------------------------------------- gradient scale, anchored by hand
 def _step_grads(model, slots, pairs) -> dict[str, torch.Tensor]:
     """The LoRA gradients ``train_step`` accumulates over ``slots`` (before the optimizer step)."""
-    from miles_ext.lora import lora_parameters
-    from miles_ext.sft import train_step
+    from miles_ext.levers.lora import lora_parameters
+    from miles_ext.recipe.sft import train_step
 
     lora = lora_parameters(model)
     got: dict[str, torch.Tensor] = {}
@@ -106,7 +106,7 @@ def _step_grads(model, slots, pairs) -> dict[str, torch.Tensor]:
 def _hand_grads(model, slots, pairs, num_local_pairs: int) -> dict[str, torch.Tensor]:
     """Autograd of the written-out objective: (sum of the slots' pair losses, each drawn with its slot's seed
     identity) / num_local_pairs, one graph."""
-    from miles_ext.lora import lora_parameters
+    from miles_ext.levers.lora import lora_parameters
 
     lora = lora_parameters(model)
     losses = []
@@ -131,9 +131,10 @@ def test_gradient_scale_is_loss_sum_over_num_local_pairs_by_hand():
     on each of 2 ranks, ``loss_sum / 4`` over 2 micro-batches of 2 pairs (FSDP2 then averages the 2 ranks: the
     mean over the step's 8 pairs, which ``test_h3_recipe.py`` proves). The topology proofs run the normaliser on
     both sides, so a scale that both share (``/ (2 num_local_pairs)``, a per-micro-batch mean) is caught here."""
-    from miles_ext.lora import lora_parameters
-    from miles_ext.recipe import pair_schedule, rank_schedule
-    from miles_ext.tiny_run import make_lora_model, synthetic_pairs
+    from miles_ext.levers.lora import lora_parameters
+    from miles_ext.recipe.schedule import pair_schedule
+    from tests.equivalence.h3_tiny_run import rank_schedule
+    from tests.equivalence.h3_tiny_run import make_lora_model, synthetic_pairs
 
     model = make_lora_model()
     with torch.no_grad():  # move lora_B off zero so that every adapter gets a gradient

@@ -1,4 +1,4 @@
-"""``miles_ext.host_checkpoint``: the H3 checkpoint's state at world size 1 without a host copy, A/B against
+"""``miles_ext.levers.host_checkpoint``: the H3 checkpoint's state at world size 1 without a host copy, A/B against
 torch's full-state paths on a 1-rank gloo FSDP2 model with CPU offload (no port: a ``FileStore``). Each test
 names the bug it plants."""
 
@@ -23,7 +23,7 @@ def test_one_rank_checkpoint_state_is_taken_without_a_gather(tmp_path, monkeypat
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from miles_ext.host_checkpoint import host_full_state
+    from miles_ext.levers.host_checkpoint import host_full_state
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
@@ -84,7 +84,7 @@ def test_one_rank_resume_holds_each_moment_once(tmp_path, monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from miles_ext.host_checkpoint import host_full_state, load_host_state
+    from miles_ext.levers.host_checkpoint import host_full_state, load_host_state
     from patches.core.io import atomic_torch_save, release_file_pages
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -121,7 +121,7 @@ def test_one_rank_resume_holds_each_moment_once(tmp_path, monkeypatch):
             raise AssertionError("full-state load path at world size 1")
 
         monkeypatch.setattr(dsd, "set_optimizer_state_dict", full_path)
-        monkeypatch.setattr("miles_ext.host_checkpoint.RELEASE_EVERY_BYTES", 5 << 19)  # chunks inside the loop and a last one
+        monkeypatch.setattr("miles_ext.levers.host_checkpoint.RELEASE_EVERY_BYTES", 5 << 19)  # chunks inside the loop and a last one
         load_host_state(model, opt, dict(model.named_parameters()), ck["optimizer"])
         moments = sum(t.numel() * 4 for st in opt.state.values() for k, t in st.items() if k != "step")
         assert moments > 3 << 20 and file_rss(tmp_path / "ck.pt") < 64 << 10  # edges of pages only
@@ -148,7 +148,7 @@ def test_one_rank_resume_takes_the_full_path_for_other_groups_or_shapes(tmp_path
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from miles_ext.host_checkpoint import host_full_state, load_host_state
+    from miles_ext.levers.host_checkpoint import host_full_state, load_host_state
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

@@ -27,11 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosmos_framework_ext import latent_cache as lc
-from cosmos_framework_ext import train
-from cosmos_framework_ext.data import SampleRecord, decode_window, load_records, target_size
-from cosmos_framework_ext.presets import build_vae, get_preset
-from cosmos_framework_ext.vae_offload import encode_latents
+from cosmos_framework_ext.levers import latent_cache as lc
+from cosmos_framework_ext.recipe import train
+from patches.core.data.rows import SampleRecord, load_records
+from patches.core.data.video import decode_window
+from cosmos_framework_ext.recipe import prepass
+from cosmos_framework_ext.recipe.data import cache_items, target_size
+from cosmos_framework_ext.recipe.presets import build_vae, get_preset
+from cosmos_framework_ext.recipe.vae import encode_latents, online_latent
 
 TINY = get_preset("tiny")
 
@@ -61,7 +64,7 @@ def online(vae: torch.nn.Module, item: lc.CacheItem, device: str = "cpu") -> tor
 
 def mismatches(vae: torch.nn.Module, items: list[lc.CacheItem], root: Path, device: str = "cpu") -> list[str]:
     """The check: pre-pass into ``root``, then every item read back read-only against the online encode."""
-    cache = lc.LatentCache.for_vae(vae, device, root)
+    cache = lc.LatentCache.for_vae(vae, device, root, encode=online_latent)
     cache.prepass(items, progress=False)
     reader = cache.read_only()
     bad = []
@@ -79,7 +82,7 @@ def mismatches(vae: torch.nn.Module, items: list[lc.CacheItem], root: Path, devi
 
 @pytest.fixture()
 def items(sample_dataset: Path) -> list[lc.CacheItem]:
-    out = lc.items_for(_records(sample_dataset), TINY)
+    out = cache_items(_records(sample_dataset), TINY)
     assert len(out) == 3  # (0, 5), (4, 5), (2, 9): the repeated (4, 5) is one item
     return out
 
@@ -88,7 +91,7 @@ def items(sample_dataset: Path) -> list[lc.CacheItem]:
 def test_cached_latents_equal_online_encode(items, tmp_path):
     vae = _vae()
     assert mismatches(vae, items, tmp_path / "c") == []
-    again = lc.LatentCache.for_vae(vae, "cpu", tmp_path / "c").prepass(items, progress=False)
+    again = lc.LatentCache.for_vae(vae, "cpu", tmp_path / "c", encode=online_latent).prepass(items, progress=False)
     assert (again.hits, again.misses, again.corrupt) == (3, 0, 0)
     assert again.bytes_on_disk == sum(p.stat().st_size for p in (tmp_path / "c").rglob("*.safetensors")) > 0
     assert not list((tmp_path / "c").rglob(".*.tmp-*"))
@@ -96,7 +99,7 @@ def test_cached_latents_equal_online_encode(items, tmp_path):
 
 def test_items_cover_every_window_at_the_row_size(sample_dataset):
     records = load_records(sample_dataset)
-    got = lc.items_for(records, TINY)
+    got = cache_items(records, TINY)
     want = {(r.video_path, w, target_size(r.width, r.height, TINY)) for r in records for w in r.windows}
     assert {(i.video_path, i.window, i.size) for i in got} == want and len(got) == len(want)
 
@@ -143,8 +146,8 @@ def test_training_step_from_cache_equals_online(train_env, monkeypatch, capsys):
 
 
 def test_ledger_counts_no_gpu_bytes_for_the_vae_with_the_cache():
-    from cosmos_framework_ext import config as cfgmod
-    from cosmos_framework_ext.ledger import cosmos_ledger
+    from cosmos_framework_ext.recipe import config as cfgmod
+    from cosmos_framework_ext.recipe.ledger import cosmos_ledger
 
     cfg = cfgmod.load(Path(__file__).resolve().parents[2] / "toml" / "vision_sft_edge_24gb.toml")
     stock = cosmos_ledger(cfg, "tiny", {})
@@ -158,7 +161,7 @@ def test_ledger_counts_no_gpu_bytes_for_the_vae_with_the_cache():
 # ------------------------------------------------------------------------------------------ keys
 def test_every_key_part_misses_when_it_changes(items, sample_dataset, tmp_path):
     vae = _vae()
-    base = lc.LatentCache.for_vae(vae, "cpu", tmp_path)
+    base = lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent)
     it = items[0]
     k0 = base.key(it).digest
     assert base.key(lc.CacheItem(it.video_path, (1, 5), it.size)).digest != k0  # window start
@@ -173,22 +176,22 @@ def test_every_key_part_misses_when_it_changes(items, sample_dataset, tmp_path):
     assert base.key(lc.CacheItem(copy, it.window, it.size)).digest != k0  # other bytes
     with torch.no_grad():
         next(vae.parameters()).view(-1)[0] += 1e-3
-    assert lc.LatentCache.for_vae(vae, "cpu", tmp_path).key(it).digest != k0  # weights
+    assert lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent).key(it).digest != k0  # weights
     vae = _vae()
-    assert lc.LatentCache.for_vae(vae, "cpu", tmp_path).key(it).digest == k0  # rebuilt alike: a hit
+    assert lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent).key(it).digest == k0  # rebuilt alike: a hit
     vae.register_to_config(latents_std=[s * 2 for s in vae.config.latents_std])
-    assert lc.LatentCache.for_vae(vae, "cpu", tmp_path).key(it).digest != k0  # latents_std
+    assert lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent).key(it).digest != k0  # latents_std
     vae = _vae()
     vae.register_to_config(latents_mean=[m + 1 for m in vae.config.latents_mean])
-    assert lc.LatentCache.for_vae(vae, "cpu", tmp_path).key(it).digest != k0  # latents_mean
-    assert lc.LatentCache.for_vae(_vae(dtype=torch.bfloat16), "cpu", tmp_path).key(it).digest != k0  # dtype
+    assert lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent).key(it).digest != k0  # latents_mean
+    assert lc.LatentCache.for_vae(_vae(dtype=torch.bfloat16), "cpu", tmp_path, encode=online_latent).key(it).digest != k0  # dtype
 
 
 def test_a_changed_latents_std_is_a_miss_not_a_stale_hit(items, tmp_path):
     vae = _vae()
-    lc.LatentCache.for_vae(vae, "cpu", tmp_path).prepass(items, progress=False)
+    lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent).prepass(items, progress=False)
     vae.register_to_config(latents_std=[s * 2 for s in vae.config.latents_std])
-    report = lc.LatentCache.for_vae(vae, "cpu", tmp_path).prepass(items, progress=False)
+    report = lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent).prepass(items, progress=False)
     assert (report.hits, report.misses) == (0, 3)
     assert mismatches(vae, items, tmp_path) == []
 
@@ -196,7 +199,7 @@ def test_a_changed_latents_std_is_a_miss_not_a_stale_hit(items, tmp_path):
 # ------------------------------------------------------------------------------------------ robustness
 def test_corrupt_entries_are_reencoded_with_a_warning(items, tmp_path, caplog):
     vae = _vae()
-    cache = lc.LatentCache.for_vae(vae, "cpu", tmp_path)
+    cache = lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent)
     cache.prepass(items, progress=False)
     truncated, flipped = cache.path(cache.key(items[0])), cache.path(cache.key(items[1]))
     truncated.write_bytes(truncated.read_bytes()[:40])
@@ -216,8 +219,8 @@ def test_corrupt_entries_are_reencoded_with_a_warning(items, tmp_path, caplog):
 
 
 def test_training_refuses_a_missing_entry(items, tmp_path):
-    reader = lc.LatentCache.for_vae(_vae(), "cpu", tmp_path).read_only()
-    with pytest.raises(lc.LatentCacheError, match="missing.*python -m cosmos_framework_ext.latent_cache"):
+    reader = lc.LatentCache.for_vae(_vae(), "cpu", tmp_path, encode=online_latent).read_only()
+    with pytest.raises(lc.LatentCacheError, match="missing.*python -m cosmos_framework_ext.recipe.prepass"):
         reader.get(items[0])
     with pytest.raises(RuntimeError, match="no VAE"):
         reader.prepass(items, progress=False)
@@ -231,7 +234,7 @@ def test_two_writers_at_once_leave_whole_entries(items, tmp_path):
 
     def fill(v):
         try:
-            lc.LatentCache.for_vae(v, "cpu", tmp_path).prepass(items, progress=False)
+            lc.LatentCache.for_vae(v, "cpu", tmp_path, encode=online_latent).prepass(items, progress=False)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -250,12 +253,12 @@ def test_rank_shares_cover_every_item_whatever_the_others_wrote(items, tmp_path)
     are fixed by item position, so together they still cover every item (a share taken from 'what is missing
     now' skipped items here, and training then stopped on a missing entry at 2 ranks)."""
     vae = _vae()
-    reports = [lc.LatentCache.for_vae(vae, "cpu", tmp_path).prepass(items, rank=r, world_size=2, progress=False)
+    reports = [lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent).prepass(items, rank=r, world_size=2, progress=False)
                for r in (0, 1)]  # rank 0 all done before rank 1 looks: the worst order
-    reader = lc.LatentCache.for_vae(vae, "cpu", tmp_path).read_only()
+    reader = lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent).read_only()
     for it in items:
         reader.load(it, reader.key(it))  # raises if an entry is missing
-    distinct = len({lc.LatentCache.for_vae(vae, "cpu", tmp_path).key(it).digest for it in items})
+    distinct = len({lc.LatentCache.for_vae(vae, "cpu", tmp_path, encode=online_latent).key(it).digest for it in items})
     assert sum(r.misses for r in reports) + sum(r.hits for r in reports) == len(items)
     assert len(list(tmp_path.rglob("*.safetensors"))) == distinct
 
@@ -265,13 +268,13 @@ def test_cli_fills_the_cache_the_trainer_then_hits(train_env, monkeypatch, capsy
 
     monkeypatch.setenv("COSMOS_LATENT_CACHE", "1")
     toml = str(small_toml(train_env))
-    assert lc.main(["--toml", toml, "--no-progress"]) == 0
+    assert prepass.main(["--toml", toml, "--no-progress"]) == 0
     first = capsys.readouterr().out.strip().splitlines()[-1]
     assert " 0 hits" in first and "MiB on disk" in first
-    assert lc.main(["--toml", toml, "--no-progress"]) == 0
+    assert prepass.main(["--toml", toml, "--no-progress"]) == 0
     assert " 0 misses" in capsys.readouterr().out.strip().splitlines()[-1]
     monkeypatch.setenv("ONECARD_LATENT_CACHE", str(Path(toml)))  # a file, not a folder
-    assert lc.main(["--toml", toml, "--no-progress"]) == 2
+    assert prepass.main(["--toml", toml, "--no-progress"]) == 2
     assert "error: latent cache folder" in capsys.readouterr().err
 
 
@@ -315,5 +318,5 @@ def _load_without_dtype_check(real):
 def test_cuda_cached_latents_equal_online_encode(items, tmp_path):
     vae = _vae("cuda", torch.bfloat16)
     assert mismatches(vae, items, tmp_path, "cuda") == []
-    got = lc.LatentCache.for_vae(vae, "cuda", tmp_path).read_only().get(items[0])
+    got = lc.LatentCache.for_vae(vae, "cuda", tmp_path, encode=online_latent).read_only().get(items[0])
     assert got.dtype == torch.bfloat16 and "cuda" in lc.vae_fingerprint(vae, torch.bfloat16, "cuda")["device"]

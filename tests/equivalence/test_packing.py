@@ -18,22 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from cosmos_framework_ext import packing
-from cosmos_framework_ext.data import (
-    JSONL_RELPATH,
-    CaptionTokenizer,
-    SampleSource,
-    load_records,
-)
-from cosmos_framework_ext.packing import (
+from cosmos_framework_ext.levers import packing
+from patches.core.data.rows import JSONL_RELPATH, load_records
+from cosmos_framework_ext.recipe.data import CaptionTokenizer, SampleSource
+from cosmos_framework_ext.levers.packing import (
     DEFAULT_LOOKAHEAD,
     PackingLoader,
-    main,
     pack_indices,
     plan,
     rank_partition,
 )
-from cosmos_framework_ext.presets import get_preset
+from cosmos_framework_ext.recipe.plan import main
+from cosmos_framework_ext.recipe.presets import get_preset
 
 TINY = get_preset("tiny")
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosmos_framework_ext.attention import build_packed_inputs
-from cosmos_framework_ext.recipe import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
+from cosmos_framework_ext.recipe.attention import build_packed_inputs
+from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
 from tests.equivalence import tiny_recipe as R
 
 RTOL, ATOL = 1e-5, 1e-7

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cosmos_framework_ext import upstream_attention as ua
+from cosmos_framework_ext.upstream import attention as ua
 
 CausalType = enum.Enum("CausalType", ["TopLeft", "BottomRight", "DontCare"])
 """Stands in for upstream's ``cosmos_framework.model.attention.masks.CausalType`` (matched by name)."""

@@ -19,9 +19,11 @@ import pytest
 import torch
 from torch import nn
 
-from cosmos_framework_ext import vae_offload as vo
-from cosmos_framework_ext.presets import build_vae, get_preset
-from cosmos_framework_ext.vae_offload import VAEOffload, check_equivalence, encode_latents, measure_round_trip
+from cosmos_framework_ext.levers import vae_offload as vo
+from cosmos_framework_ext.recipe.presets import build_vae, get_preset
+from cosmos_framework_ext.levers.vae_offload import VAEOffload
+from cosmos_framework_ext.recipe.vae import encode_latents
+from tests.equivalence.vae_checks import check_equivalence, measure_round_trip
 from patches.core.host_arena import HostArena
 
 MiB = 2**20
@@ -365,7 +367,7 @@ def test_upstream_offload_moves_the_scale_with_the_module_under_one_counter() ->
     """``UpstreamVaeOffload`` is a :class:`VAEOffload` whose moves also carry upstream's ``wan.scale`` tuple."""
     from types import SimpleNamespace
 
-    from cosmos_framework_ext.upstream import UpstreamVaeOffload
+    from cosmos_framework_ext.upstream.patches import UpstreamVaeOffload
 
     vae = _tiny_vae()
     scale = (torch.randn(48), torch.rand(48) + 0.5)

@@ -12,10 +12,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from cosmos_framework_ext import attention
-from cosmos_framework_ext.attention import build_packed_inputs
-from cosmos_framework_ext.presets import build_transformer, get_preset, select_trainable
-from cosmos_framework_ext.recipe import flow_matching_inputs, grad_clip, micro_batch_loss
+from cosmos_framework_ext.recipe import attention
+from cosmos_framework_ext.recipe.attention import build_packed_inputs
+from cosmos_framework_ext.recipe.presets import build_transformer, get_preset, select_trainable
+from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss
 from patches.core.runtime import free_port  # noqa: F401 - the proofs spawn ranks on it (R.free_port)
 
 KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]

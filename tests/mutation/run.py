@@ -4,7 +4,9 @@
 
 For each mutant: the repository's files (``git ls-files``: tracked, plus untracked files git does not ignore)
 are copied to a fresh temporary directory, the mutant's ``original`` snippet is replaced by its
-``replacement`` in its ``file`` (refused unless the snippet occurs exactly once), and
+``replacement`` inside its ``function`` of its ``file`` (a dotted name such as ``EMA.update`` or ``power_ema_beta``, the
+innermost ``def``/``class`` holding the snippet, or ``<module>`` for module-level code; refused unless the snippet
+occurs exactly once in that function's source, so an edit elsewhere in the file does not make the list stale), and
 ``python -m pytest -q -x -p no:cacheprovider <its tests>`` runs there with a timeout (``PYTHONPATH`` and the
 working directory point at the copy, so subprocesses the tests start import the mutated code too). A failing
 or timed-out run means the mutant was killed; a passing run means it survived. Before the mutants, the union of
@@ -39,7 +41,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 REPO = Path(__file__).resolve().parents[2]
 MUTANTS = Path(__file__).with_name("mutants.toml")
-FIELDS = {"id", "kind", "file", "original", "replacement", "tests", "cuda"}
+FIELDS = {"id", "kind", "file", "function", "original", "replacement", "tests", "cuda"}
 REQUIRED = FIELDS - {"cuda"}
 
 
@@ -48,6 +50,7 @@ class Mutant:
     id: str
     kind: str
     file: str
+    function: str
     original: str
     replacement: str
     tests: tuple[str, ...]
@@ -81,24 +84,80 @@ def load_mutants(path: Path = MUTANTS) -> list[Mutant]:
         seen.add(e["id"])
         if not e["tests"] or e["original"] == e["replacement"]:
             problems.append(f"mutant {e['id']}: needs at least one test and a replacement that differs")
-        out.append(Mutant(e["id"], e["kind"], e["file"], e["original"], e["replacement"], tuple(e["tests"]),
-                          bool(e.get("cuda", False))))
+        out.append(Mutant(e["id"], e["kind"], e["file"], e["function"], e["original"], e["replacement"],
+                          tuple(e["tests"]), bool(e.get("cuda", False))))
     if problems:
         raise StaleList("\n".join(problems))
     return out
 
 
-def apply(mutant: Mutant, root: Path) -> None:
-    """Replace the mutant's snippet in ``root / mutant.file``; :class:`StaleList` unless it occurs exactly once."""
+def function_span(text: str, function: str) -> tuple[int, int] | None:
+    """Character offsets ``(start, end)`` of ``function`` (a dotted ``def``/``class`` path, or ``<module>``) in the
+    source ``text``; ``None`` when there is no such definition."""
+    if function == "<module>":
+        return 0, len(text)
+    scope: list[ast.stmt] = ast.parse(text).body
+    node = None
+    for part in function.split("."):
+        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            return None
+        scope = node.body
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return starts[first - 1], starts[node.end_lineno]
+
+
+def innermost_function(text: str, offset: int) -> str:
+    """The dotted name of the innermost ``def``/``class`` whose source holds character ``offset`` (``<module>`` if
+    none): what a new mutant's ``function`` should say."""
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    best = "<module>"
+
+    def walk(body: list[ast.stmt], prefix: str) -> None:
+        nonlocal best
+        for n in body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if starts[n.lineno - 1] <= offset < starts[n.end_lineno]:
+                    best = prefix + n.name
+                    walk(n.body, best + ".")
+
+    walk(ast.parse(text).body, "")
+    return best
+
+
+def locate(mutant: Mutant, root: Path) -> tuple[str, int, int]:
+    """The file's text and the snippet's span inside the mutant's function.
+
+    Raises:
+        StaleList: the file or function is missing, or the snippet does not occur exactly once in the function.
+    """
     path = root / mutant.file
     if not path.is_file():
         raise StaleList(f"mutant {mutant.id}: {mutant.file} does not exist")
     text = path.read_text()
-    n = text.count(mutant.original)
+    span = function_span(text, mutant.function)
+    if span is None:
+        raise StaleList(f"mutant {mutant.id}: {mutant.file} has no function {mutant.function}")
+    body = text[span[0]:span[1]]
+    n = body.count(mutant.original)
     if n != 1:
-        raise StaleList(f"mutant {mutant.id}: its original snippet occurs {n} times in {mutant.file} (needs exactly 1): "
-                        f"{mutant.original.strip().splitlines()[0][:80]!r}")
-    path.write_text(text.replace(mutant.original, mutant.replacement))
+        raise StaleList(f"mutant {mutant.id}: its original snippet occurs {n} times in {mutant.function} of "
+                        f"{mutant.file} (needs exactly 1): {mutant.original.strip().splitlines()[0][:80]!r}")
+    start = span[0] + body.index(mutant.original)
+    return text, start, start + len(mutant.original)
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    """Replace the mutant's snippet inside its function of ``root / mutant.file``; :class:`StaleList` unless it occurs
+    exactly once there."""
+    text, start, end = locate(mutant, root)
+    (root / mutant.file).write_text(text[:start] + mutant.replacement + text[end:])
 
 
 def node_exists(node: str, root: Path = REPO) -> bool:
@@ -127,10 +186,10 @@ def problems(mutants: list[Mutant], root: Path = REPO) -> list[str]:
     """Everything stale in ``mutants`` against the repository at ``root`` (empty when the list is good)."""
     out = []
     for m in mutants:
-        path = root / m.file
-        n = path.read_text().count(m.original) if path.is_file() else -1
-        if n != 1:
-            out.append(f"mutant {m.id}: original snippet occurs {n} times in {m.file} (needs exactly 1)")
+        try:
+            locate(m, root)
+        except StaleList as e:
+            out.append(str(e))
         out += [f"mutant {m.id}: test {t} does not exist" for t in m.tests if not node_exists(t, root)]
     return out
 

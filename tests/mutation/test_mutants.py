@@ -1,5 +1,6 @@
 """The mutation list (``tests/mutation/mutants.toml``) stays valid: every snippet is found exactly once in the source
-it names, every named test exists, and the list covers every planted bug README names and every kind of bug a
+it names (inside the function it is anchored to), every named test exists, and the list covers every planted bug the
+docs name and every kind of bug a
 mutation run found surviving. Fast (no test is run); ``python tests/mutation/run.py`` runs the mutants."""
 
 from __future__ import annotations
@@ -52,15 +53,33 @@ def test_the_list_covers_the_planted_bugs_and_the_survivors(mutants):
 
 def test_a_stale_snippet_is_refused(tmp_path: Path):
     (tmp_path / "m.py").write_text("x = 1\nx = 1\n")
-    twice = mutation.Mutant("twice", "k", "m.py", "x = 1", "x = 2", ("t",))
-    absent = mutation.Mutant("absent", "k", "m.py", "y = 1", "y = 2", ("t",))
+    twice = mutation.Mutant("twice", "k", "m.py", "<module>", "x = 1", "x = 2", ("t",))
+    absent = mutation.Mutant("absent", "k", "m.py", "<module>", "y = 1", "y = 2", ("t",))
     for m in (twice, absent):
         with pytest.raises(mutation.StaleList, match="needs exactly 1"):
             mutation.apply(m, tmp_path)
     assert (tmp_path / "m.py").read_text() == "x = 1\nx = 1\n"
-    once = mutation.Mutant("once", "k", "m.py", "x = 1\nx", "x = 3\nx", ("t",))
+    once = mutation.Mutant("once", "k", "m.py", "<module>", "x = 1\nx", "x = 3\nx", ("t",))
     mutation.apply(once, tmp_path)
     assert (tmp_path / "m.py").read_text() == "x = 3\nx = 1\n"
+    gone = mutation.Mutant("gone", "k", "m.py", "f", "x = 3", "x = 4", ("t",))
+    with pytest.raises(mutation.StaleList, match="has no function f"):
+        mutation.apply(gone, tmp_path)
+
+
+def test_a_mutant_is_anchored_to_its_function(tmp_path: Path):
+    """The same line in another function, and edits outside the mutant's function, leave it valid; only its own
+    function's copy changes."""
+    src = "def f():\n    return 1\n\n\nclass C:\n    def g(self):\n        return 1\n"
+    (tmp_path / "m.py").write_text(src)
+    m = mutation.Mutant("g", "k", "m.py", "C.g", "return 1", "return 2", ("t",))
+    mutation.apply(m, tmp_path)
+    assert (tmp_path / "m.py").read_text() == src.replace("        return 1", "        return 2")
+    edited = "import os\n\n\n" + src.replace("def f():", "def f(a=1):")  # a reformat elsewhere
+    (tmp_path / "m.py").write_text(edited)
+    assert mutation.problems([m], tmp_path) == ["mutant g: test t does not exist"]
+    assert mutation.innermost_function(src, src.index("        return 1")) == "C.g"
+    assert mutation.innermost_function(src, 0) == "f" and mutation.innermost_function("x = 1\n", 0) == "<module>"
 
 
 def test_node_ids_are_checked():

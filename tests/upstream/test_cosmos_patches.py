@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from cosmos_framework_ext.ema import canonical_name
-from cosmos_framework_ext.upstream import EmaPlaceholder, HostEmaWorker
+from cosmos_framework_ext.levers.ema import canonical_name
+from cosmos_framework_ext.upstream.patches import EmaPlaceholder, HostEmaWorker
 from patches.cosmos_table import patch_set
-from patches.guard import UpstreamMismatch
+from patches.core.errors import UpstreamMismatch
 
 ROOT = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
 KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
@@ -208,7 +208,7 @@ def test_vae_offload_on_upstream_wan_vae_is_bit_exact():
     """Upstream's own ``WanVAE_`` (small), resident vs parked by the lever: latents ``torch.equal``."""
     from cosmos_framework.model.generator.tokenizers.wan2pt2_vae_4x16x16 import WanVAE_
 
-    from cosmos_framework_ext.upstream import UpstreamVaeOffload
+    from cosmos_framework_ext.upstream.patches import UpstreamVaeOffload
 
     torch.manual_seed(0)
     vae = WanVAE_(dim=8, dec_dim=8, z_dim=48, num_res_blocks=1).eval().requires_grad_(False)
@@ -230,7 +230,7 @@ def test_optimizer_state_offload_on_upstream_optimizer_cls_equals_stock():
     """Upstream's own ``_optimizer_cls`` builds AdamW; patched, its moments stream and the steps are bit-exact."""
     from cosmos_framework.utils.generator import optimizer as up
 
-    from cosmos_framework_ext.optim_offload import OptimStateOffload
+    from cosmos_framework_ext.levers.optim_offload import OptimStateOffload
 
     def steps(opt_cls):
         torch.manual_seed(0)

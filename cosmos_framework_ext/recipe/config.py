@@ -1,0 +1,467 @@
+"""The SFT TOML schema as typed dataclasses, read strictly.
+
+The tables are upstream cosmos-framework's SFT TOML tables (``[job] [model] [model.ema] [optimizer]
+[scheduler] [trainer] [trainer.callbacks.grad_clip] [checkpoint] [dataloader_train]``, plus the
+parallelism/compile/activation-checkpointing/tokenizer sub-tables the upstream recipe carries), so a
+recipe TOML runs unchanged on the upstream trainer and on the embedded one. What only the embedded
+trainer needs lives in one extra table, ``[onecard]``.
+
+Each table is one dataclass below; a nested table is a nested dataclass field, so a loaded config reads
+as attributes: ``cfg.model.ema.rate``, ``cfg.trainer.callbacks.grad_clip.clip_norm``,
+``cfg.dataloader_train.max_sequence_length``, ``cfg.onecard.preset``. Every field has a type, a default
+and a docstring (:func:`patches.core.config.field_docs` reads them).
+
+``${oc.env:NAME}`` in a string value is replaced by the environment variable ``NAME`` (empty when unset),
+as upstream's OmegaConf resolver does.
+
+A table or key the schema does not know, or a value of the wrong type, raises :class:`ConfigError`
+(:class:`patches.core.config.ConfigError`, a :class:`patches.core.errors.UserError`) naming it and what is
+accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Mapping
+
+from patches.core.config import ConfigError, from_mapping
+from patches.core.errors import cli
+from patches.core.io import atomic_write_text
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "SFTConfig", "from_dict", "load", "write_upstream_toml"]
+
+
+def _list(*items: Any) -> Any:
+    """A ``default_factory`` field holding a fresh copy of ``items`` as a list."""
+    return dataclasses.field(default_factory=lambda: list(items))
+
+
+def _table(cls: type) -> Any:
+    """A nested-table field defaulting to ``cls()``."""
+    return dataclasses.field(default_factory=cls)
+
+
+# ------------------------------------------------------------------------------------------- [job]
+@dataclasses.dataclass
+class JobConfig:
+    """``[job]``: what the run is called; the embedded trainer writes to ``OUTPUT_ROOT/project/group/name``."""
+
+    task: str = "vfm"
+    """Upstream task family."""
+    experiment: str = "vision_sft_edge"
+    """Upstream experiment the recipe derives from."""
+    project: str = "cosmos3"
+    """First folder of the run's output path."""
+    group: str = "sft"
+    """Second folder of the run's output path."""
+    name: str = "vision_sft_edge"
+    """The run's folder (checkpoints, summary.json, memory timeline)."""
+    wandb_mode: str = "disabled"
+    """Upstream's Weights & Biases mode (the embedded trainer logs nothing there)."""
+
+
+# ----------------------------------------------------------------------------------------- [model]
+@dataclasses.dataclass
+class EMAConfig:
+    """``[model.ema]``: the power-function EMA of the network (upstream ``OmniMoTModel.ema_beta``)."""
+
+    enabled: bool = True
+    """Keep an EMA of the weights at all."""
+    rate: float = 0.1
+    """sigma_rel of the power EMA; must lie in (0, 0.28)."""
+    iteration_shift: int = 0
+    """Added to the iteration before beta is computed."""
+
+
+@dataclasses.dataclass
+class ParallelismConfig:
+    """``[model.parallelism]``: upstream's FSDP mesh (the embedded trainer shards over all ranks)."""
+
+    data_parallel_shard_degree: int = -1
+    """Ranks a parameter is sharded over (-1: all)."""
+    data_parallel_replicate_degree: int = 1
+    """Replicas of each shard."""
+    fsdp_master_dtype: str = "bfloat16"
+    """Storage dtype of the network's parameters on a GPU (upstream ``parallelism.fsdp_master_dtype``; the CPU
+    always runs fp32). ``"bfloat16"`` (default): the dtype ``precision`` computes in, as upstream ed8287f
+    builds ``net`` -- parameters, gradients and AdamW state bf16, nothing cast. ``"float32"``: upstream HEAD
+    (since cb76f47, e.g. 5eee9ed) -- fp32 master parameters, gradients and AdamW state, computed in
+    ``precision`` through FSDP2's ``MixedPrecisionPolicy`` at every world size (one rank included), gradients
+    reduced in ``fsdp_reduce_dtype``. Not in upstream's TOML schema: the copy for upstream drops it (upstream
+    then uses its own commit's dtypes; pass ``model.config.parallelism.fsdp_master_dtype=...`` to change them)."""
+    fsdp_reduce_dtype: str = "bfloat16"
+    """``MixedPrecisionPolicy.reduce_dtype`` when ``fsdp_master_dtype`` differs from ``precision``: upstream
+    HEAD's Edge recipe reduces in ``"bfloat16"`` (``configs/base/defaults/model.py``); ``"float32"`` reduces in
+    the master dtype. Unused with a bf16 master. Dropped from the upstream copy, as ``fsdp_master_dtype``."""
+
+
+@dataclasses.dataclass
+class CompileConfig:
+    """``[model.compile]``: upstream's ``torch.compile`` settings; the embedded trainer compiles each decoder
+    layer on a GPU (cosmos_framework_ext.levers.compile_blocks; the CPU runs eagerly)."""
+
+    enabled: bool = True
+    """Compile the network (the embedded trainer: each decoder layer, on a GPU)."""
+    compile_dynamic: bool = True
+    """Compile with dynamic shapes (true: every size symbolic from the first compile; false: PyTorch's automatic
+    dynamic shapes, one more compile at the first length change). Never one compile per micro-batch length."""
+
+
+@dataclasses.dataclass
+class ActivationCheckpointingConfig:
+    """``[model.activation_checkpointing]``: recompute activations in the backward pass."""
+
+    mode: str = "full"
+    """``full`` checkpoints every decoder layer (the embedded trainer honours ``full`` only)."""
+    save_ops_regex: list[str] = _list("fmha")
+    """Upstream selective checkpointing: ops whose outputs are kept."""
+    preserve_rng_state: bool = True
+    """Replay the RNG state in the recomputation."""
+    determinism_check: str = "default"
+    """torch.utils.checkpoint's determinism check."""
+
+
+@dataclasses.dataclass
+class TokenizerConfig:
+    """``[model.tokenizer]``: the Wan2.2 VAE."""
+
+    vae_path: str = ""
+    """Diffusers-format ``AutoencoderKLWan`` directory; empty: a random-init VAE."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """``[model]``: the network and its sub-tables."""
+
+    max_num_tokens_after_packing: int = 45056
+    """Upstream's packed sequence length (the embedded trainer packs to ``[dataloader_train]``'s cap)."""
+    joint_attn_implementation: str = "two_way"
+    """Upstream's joint attention kernel choice."""
+    precision: str = "bfloat16"
+    """Parameter dtype on a GPU (``bfloat16``; fp32 otherwise and always on the CPU)."""
+    ema: EMAConfig = _table(EMAConfig)
+    """``[model.ema]``."""
+    parallelism: ParallelismConfig = _table(ParallelismConfig)
+    """``[model.parallelism]``."""
+    compile: CompileConfig = _table(CompileConfig)
+    """``[model.compile]``."""
+    activation_checkpointing: ActivationCheckpointingConfig = _table(ActivationCheckpointingConfig)
+    """``[model.activation_checkpointing]``."""
+    tokenizer: TokenizerConfig = _table(TokenizerConfig)
+    """``[model.tokenizer]``."""
+
+
+# ------------------------------------------------------------------------------ [optimizer] [scheduler]
+@dataclasses.dataclass
+class OptimizerConfig:
+    """``[optimizer]``: AdamW over the trainable subset."""
+
+    betas: list[float] = _list(0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1.0e-6
+    """AdamW epsilon."""
+    fused: bool = True
+    """Fused AdamW kernel (on a GPU)."""
+    keys_to_select: list[str] = _list("moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen")
+    """Upstream module keys whose parameters are trained; everything else is frozen."""
+    lr: float = 1.0e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    """``[scheduler]``: upstream's ``LambdaWarmUpCosineScheduler`` (the first cycle is used)."""
+
+    cycle_lengths: list[int] = _list(1000)
+    """Optimizer steps per cosine cycle."""
+    f_max: list[float] = _list(1.0)
+    """Peak multiplier of the learning rate."""
+    f_min: list[float] = _list(0.0)
+    """Final multiplier."""
+    f_start: list[float] = _list(0.0)
+    """Multiplier at step 0 (warm-up start)."""
+    verbosity_interval: int = 0
+    """Upstream's scheduler logging interval."""
+    warm_up_steps: list[int] = _list(50)
+    """Linear warm-up steps."""
+
+
+# --------------------------------------------------------------------------------------- [trainer]
+@dataclasses.dataclass
+class CompileTokenizerCallback:
+    """``[trainer.callbacks.compile_tokenizer]``: upstream compiles the VAE after a few iterations."""
+
+    compile_after_iterations: int = 3
+    """Iterations before the VAE is compiled."""
+    enabled: bool = False
+    """Whether upstream compiles the VAE."""
+
+
+@dataclasses.dataclass
+class GradClipCallback:
+    """``[trainer.callbacks.grad_clip]``: upstream ``GradClip``."""
+
+    clip_norm: float = 0.1
+    """Total gradient 2-norm is clipped to this."""
+    force_finite: bool = True
+    """Replace non-finite gradient entries by 0 before clipping."""
+
+
+@dataclasses.dataclass
+class CallbacksConfig:
+    """``[trainer.callbacks]``: a parent table only (its sub-tables hold the keys)."""
+
+    compile_tokenizer: CompileTokenizerCallback = _table(CompileTokenizerCallback)
+    """``[trainer.callbacks.compile_tokenizer]``."""
+    grad_clip: GradClipCallback = _table(GradClipCallback)
+    """``[trainer.callbacks.grad_clip]``."""
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """``[trainer]``: the loop."""
+
+    distributed_parallelism: str = "fsdp"
+    """Upstream's parallelism (FSDP2 over the ranks)."""
+    grad_accum_iter: int = 2
+    """Micro-batches per optimizer step."""
+    logging_iter: int = 1
+    """Upstream's logging interval."""
+    max_iter: int = 500
+    """Optimizer steps to train up to."""
+    callbacks: CallbacksConfig = _table(CallbacksConfig)
+    """``[trainer.callbacks.*]``."""
+
+
+# ---------------------------------------------------------------------- [checkpoint] [dataloader_train]
+@dataclasses.dataclass
+class CheckpointConfig:
+    """``[checkpoint]``: the base weights and how often to save."""
+
+    keys_to_skip_loading: list[str] = _list("net_ema.")
+    """Key substrings not loaded from the base checkpoint."""
+    load_path: str = ""
+    """Base checkpoint (diffusers directory or an onecard ``iter_*.pt``); empty: random init."""
+    save_iter: int = 100
+    """A checkpoint every this many optimizer steps (and at the end)."""
+
+
+@dataclasses.dataclass
+class DataloaderConfig:
+    """``[dataloader_train]``: packing."""
+
+    max_sequence_length: int = 45056
+    """Token cap of one packed micro-batch (the strict fit rule)."""
+    max_caption_tokens: int = 2048
+    """Captions are truncated to this many tokens."""
+
+
+# --------------------------------------------------------------------------------------- [onecard]
+@dataclasses.dataclass
+class OnecardConfig:
+    """``[onecard]``: settings only the embedded trainer reads (the launcher strips them for upstream)."""
+
+    preset: str = "auto"
+    """``edge``, ``tiny``, or ``auto`` (edge on a GPU, tiny without one)."""
+    loss_scale: float = 10.0
+    """Upstream flow-matching loss scale."""
+    seed: int = 0
+    """Seed of the init, the data order and the noise."""
+    cfg_dropout: float = 0.1
+    """Caption dropout probability (classifier-free guidance)."""
+    cpu_max_iter: int = 0
+    """CPU smoke (tiny preset, no GPU): > 0 replaces ``[trainer].max_iter``, and the run says so."""
+    cpu_grad_accum_iter: int = 0
+    """CPU smoke: > 0 replaces ``[trainer].grad_accum_iter``."""
+    cpu_max_sequence_length: int = 0
+    """CPU smoke: > 0 replaces ``[dataloader_train].max_sequence_length``."""
+    attention: Literal["dense", "flex"] = "dense"
+    """Packed attention of the embedded trainer. ``dense``: boolean [L, L] segment masks with
+    ``scaled_dot_product_attention`` (the reference; mask memory O(L^2), every L x L score computed). ``flex``:
+    the same rule as ``torch.nn.attention.flex_attention`` block masks (mask memory O(L), tiles of other samples
+    skipped; cosmos_framework_ext.levers.attention_blocksparse). Equal outputs and gradients within 1e-6 relative in
+    fp32 (tests/equivalence/test_attention_blocksparse.py)."""
+    compile_blocks: bool = False
+    """Whether the embedded trainer obeys ``[model.compile] enabled`` on a GPU (each decoder layer compiled, packed
+    lengths dynamic: cosmos_framework_ext.levers.compile_blocks). Off by default, so that a TOML written for upstream
+    (which sets ``[model.compile] enabled = true``) runs the eager reference; the 24 GB recipes turn it on
+    (proofs: tests/equivalence/test_compile_blocks.py, on the CPU and on a GPU). Upstream's trainer reads only
+    ``[model.compile]``."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in ``<run dir>/checkpoints`` after each save, the new one included (0: all). Each edge-preset
+    checkpoint holds ``net``, an fp32 ``net_ema`` and the AdamW state (tens of GB), so the default keeps the newest and
+    one to fall back to; older ones are deleted only after the new one is complete."""
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """A validated SFT recipe: one attribute per TOML table (defaults filled in).
+
+    Attributes:
+        source: the TOML path it was read from (``None`` for defaults); not a TOML key.
+    """
+
+    job: JobConfig = _table(JobConfig)
+    """``[job]``."""
+    model: ModelConfig = _table(ModelConfig)
+    """``[model]`` and its sub-tables."""
+    optimizer: OptimizerConfig = _table(OptimizerConfig)
+    """``[optimizer]``."""
+    scheduler: SchedulerConfig = _table(SchedulerConfig)
+    """``[scheduler]``."""
+    trainer: TrainerConfig = _table(TrainerConfig)
+    """``[trainer]`` and its callbacks."""
+    checkpoint: CheckpointConfig = _table(CheckpointConfig)
+    """``[checkpoint]``."""
+    dataloader_train: DataloaderConfig = _table(DataloaderConfig)
+    """``[dataloader_train]``."""
+    onecard: OnecardConfig = _table(OnecardConfig)
+    """``[onecard]``."""
+
+    source: ClassVar[Path | None] = None
+
+
+# ------------------------------------------------------------------------------------------- loading
+_ENV_RE = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _resolve_env(value: Any) -> Any:
+    """``${oc.env:NAME}`` replaced in every string of ``value`` (tables and lists walked)."""
+    if isinstance(value, str):
+        return _ENV_RE.sub(lambda m: os.environ.get(m.group(1), ""), value)
+    if isinstance(value, list):
+        return [_resolve_env(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _resolve_env(v) for k, v in value.items()}
+    return value
+
+
+def _table_paths(cls: type, prefix: str = "") -> list[str]:
+    """Every table path of the dataclass tree under ``cls`` (``["job", "model", "model.ema", ...]``)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = _nested(cls, f.name)
+        if tp is not None:
+            path = f"{prefix}.{f.name}" if prefix else f.name
+            out += [path, *_table_paths(tp, path)]
+    return out
+
+
+def _nested(cls: type, name: str) -> type | None:
+    """The dataclass type of field ``name`` of ``cls`` when it is a nested table, else ``None``."""
+    import typing
+
+    tp = typing.get_type_hints(cls).get(name)
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _check_tables(data: Mapping[str, Any], cls: type, where: str, prefix: str = "") -> None:
+    """Refuse the first table the schema does not know, naming every known table."""
+    for key, value in data.items():
+        if not isinstance(value, Mapping):
+            continue
+        path = f"{prefix}.{key}" if prefix else key
+        sub = _nested(cls, key) if key in {f.name for f in dataclasses.fields(cls)} else None
+        if sub is None:
+            known = ", ".join(f"[{t}]" for t in _table_paths(SFTConfig))
+            raise ConfigError(f"{where}: unknown table [{path}]; known tables: {known}")
+        _check_tables(value, sub, where, path)
+
+
+def from_dict(data: Mapping[str, Any], source: Path | None = None) -> SFTConfig:
+    """Validate a parsed TOML dict against the schema, fill defaults, resolve ``${oc.env:...}``.
+
+    Raises:
+        ConfigError: unknown table or key, or a value of the wrong type.
+    """
+    where = str(source) if source else "config"
+    loose = sorted(k for k, v in data.items() if not isinstance(v, Mapping))
+    if loose:
+        raise ConfigError(f"{where}: keys outside any table: {loose}; put them in a [table]")
+    _check_tables(data, SFTConfig, where)
+    cfg = from_mapping(SFTConfig, _resolve_env(data), where)
+    par = cfg.model.parallelism
+    for key in _NOT_UPSTREAM:
+        if getattr(par, key) not in DTYPES:
+            raise ConfigError(f"{where}: [model.parallelism] {key} = {getattr(par, key)!r}; use one of {list(DTYPES)}")
+    cfg.source = source
+    return cfg
+
+
+def load(path: str | Path) -> SFTConfig:
+    """Read and validate an SFT TOML.
+
+    Raises:
+        ConfigError: the file is missing, a directory, or not valid TOML, or fails :func:`from_dict`.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"SFT TOML {p} is a directory, not a file: pass a recipe .toml file (see toml/ for the "
+                          "recipes)")
+    if not p.is_file():
+        raise ConfigError(f"SFT TOML {p} does not exist: pass an existing file (see toml/ for the recipes)")
+    try:
+        data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p} is not valid TOML: {e}") from None
+    return from_dict(data, p)
+
+
+_NOT_UPSTREAM = ("fsdp_master_dtype", "fsdp_reduce_dtype")
+"""``[model.parallelism]`` keys upstream's TOML schema does not have (Hydra overrides there): dropped from its copy."""
+DTYPES = ("bfloat16", "float32")
+"""Accepted values of ``[model.parallelism]`` ``fsdp_master_dtype`` and ``fsdp_reduce_dtype``."""
+
+
+def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
+    """Write ``src`` without its ``[onecard]`` table and the ``[model.parallelism]`` dtype keys upstream's schema
+    lacks (:data:`_NOT_UPSTREAM`; its schema forbids unknown keys) to ``dst``.
+
+    The recipe is validated first. The text is copied line by line, so comments and ``${oc.env:...}``
+    stay as written for upstream's resolver; ``dst`` is written atomically (temporary name + rename).
+
+    Raises:
+        ConfigError: ``src`` is missing, unreadable or fails the schema.
+    """
+    load(src)
+    kept: list[str] = []
+    skipping = False
+    table = ""
+    for line in Path(src).read_text().splitlines(keepends=True):
+        header = re.match(r"\s*\[\s*([A-Za-z0-9_.]+)\s*\]", line)
+        if header:
+            skipping = header.group(1) == "onecard" or header.group(1).startswith("onecard.")
+            table = header.group(1)
+        key = re.match(r"\s*([A-Za-z0-9_]+)\s*=", line)
+        onecard_only = bool(not header and key and table == "model.parallelism" and key.group(1) in _NOT_UPSTREAM)
+        if not skipping and not onecard_only:
+            kept.append(line)
+    return atomic_write_text(dst, "".join(kept))
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m cosmos_framework_ext.recipe.config upstream-toml SRC DST`` (used by the launcher)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 3 or args[0] != "upstream-toml":
+        print("usage: python -m cosmos_framework_ext.recipe.config upstream-toml SRC DST", file=sys.stderr)
+        return 2
+
+    def run() -> None:
+        write_upstream_toml(args[1], args[2])
+
+    return cli(run)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,222 @@
+"""The Cosmos3-Edge recipe's memory ledger (the table is :mod:`patches.core.ledger`; the command line
+``python -m patches.ledger`` runs :func:`main` here).
+
+Exact components come from the model built on the meta device and from the dtypes the trainer uses:
+
+- weights: every parameter, in the parameter dtype (bf16 on a GPU, fp32 on the CPU);
+- gradients: the trainable subset, parameter dtype;
+- AdamW: ``exp_avg`` + ``exp_avg_sq`` per trainable parameter in its dtype, plus one 4-byte ``step``
+  tensor per trainable tensor;
+- EMA: stock = fp32 clone of every parameter on the GPU; lever = fp32 host copy of the trainable subset
+  plus a staging copy in the parameter dtype, both pinned;
+- VAE: its parameters in bf16, on the GPU (resident) or pinned on the host (lever 2); with the latent cache
+  (lever 4) nothing: training reads latents from disk, and the VAE is on the GPU only in the pre-pass that runs
+  before training, when no activations, gradients or optimizer state exist yet, and is freed after it.
+
+Activations are modelled, not counted: ``ACT_FIXED + ACT_PER_TOKEN_LAYER_HIDDEN x tokens x layers x
+hidden`` bytes with ``tokens = cap - 1`` (the fit rule is strict), full activation checkpointing. The two
+constants were fitted to the measured peaks of the edge preset's ``MEMTEST`` (cap 12288) and ``EMAVAL`` (cap 6144)
+runs with both levers on, over the exact static components (``docs/ledger.md`` has the runs). Allocator slack
+(reserved over allocated) is taken as 10 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Iterable
+
+from patches.core import flags as flagmod
+from patches.core.flags import EMA_CPU_SUBSET, FROZEN_BF16, LATENT_CACHE, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
+from patches.core.ledger import Item, Ledger, parse_budget
+from patches.core.runtime import GiB
+
+from cosmos_framework_ext.recipe import config as cfgmod
+from cosmos_framework_ext.recipe.config import SFTConfig
+from cosmos_framework_ext.levers.frozen_bf16 import check_with_ema
+from cosmos_framework_ext.recipe.presets import build_transformer, build_vae, get_preset, select_trainable
+
+ACT_FIXED = int(0.79 * GiB)
+"""bytes: activation-phase transients that do not scale with tokens (fitted, see module docstring)."""
+ACT_PER_TOKEN_LAYER_HIDDEN = 2.97
+"""bytes per token x layer x hidden unit under full activation checkpointing (fitted)."""
+CUDA_CONTEXT = int(0.55 * GiB)
+"""bytes: CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator (typical on Hopper)."""
+OPTIM_GROUP_BYTES = 256 << 20
+"""bytes: the optimizer-state lever's stream-group size (``OptimStateOffload``'s default ``group_bytes``)."""
+HOST_BASELINE = int(3.0 * GiB)
+"""bytes: host RSS of the process before the levers' buffers (torch, CUDA libraries, decoded-clip cache)."""
+
+
+def _counts(preset_name: str, keys: list[str]) -> dict[str, int]:
+    preset = get_preset(preset_name)
+    model = build_transformer(preset, device="meta")
+    names = [n for n, _ in model.named_parameters()]
+    trainable = set(select_trainable(names, keys))
+    params = dict(model.named_parameters())
+    vae = build_vae(preset, device="meta")
+    return {
+        "all": sum(p.numel() for p in params.values()),
+        "train": sum(params[n].numel() for n in trainable),
+        "train_tensors": len(trainable),
+        "buffers": sum(b.numel() * 4 for b in model.buffers()),
+        "vae": sum(p.numel() for p in vae.parameters()),
+        "layers": preset.transformer["num_hidden_layers"],
+        "hidden": preset.transformer["hidden_size"],
+        "layer": sum(p.numel() for p in model.layers[0].parameters()),
+        "largest_train": max((params[n].numel() for n in trainable), default=0),
+    }
+
+
+def cosmos_ledger(
+    cfg: SFTConfig,
+    preset_name: str,
+    flags: dict[str, bool],
+    world_size: int = 1,
+    device_type: str = "cuda",
+    cap: int | None = None,
+    grad_accum_iter: int | None = None,
+) -> Ledger:
+    """The ledger of one rank of the Cosmos3-Edge recipe.
+
+    Args:
+        cfg: the recipe TOML.
+        preset_name: ``edge`` or ``tiny``.
+        flags: lever flags by env-variable name (:func:`patches.core.flags.read_all`).
+        world_size: ranks; FSDP2 shards weights, gradients and optimizer state evenly.
+        device_type: ``cuda`` (bf16 parameters when the TOML says bfloat16) or ``cpu`` (fp32).
+        cap: packing cap to size activations for (default: the TOML's ``max_sequence_length``).
+        grad_accum_iter: shown in the title (default: the TOML's; the CPU smoke run replaces it).
+
+    Raises:
+        ValueError: unknown preset, or ``keys_to_select`` empty / matching nothing.
+        UserError: ``COSMOS_FROZEN_BF16=1`` with the stock device EMA (:func:`frozen_bf16.check_with_ema`), which
+            the trainer refuses too.
+    """
+    if world_size < 1:
+        raise ValueError(f"world size {world_size} must be >= 1")
+    bf16 = device_type == "cuda" and cfg.model.precision == "bfloat16"
+    b = 2 if bf16 else 4
+    vae_b = 2 if device_type == "cuda" else 4
+    cap = cap or cfg.dataloader_train.max_sequence_length
+    shard = lambda n: -(-n // world_size)  # noqa: E731 - ceil division
+    ema_on = cfg.model.ema.enabled
+    ema_lever = flags.get(EMA_CPU_SUBSET.name, False)
+    vae_lever = flags.get(VAE_CPU_OFFLOAD.name, False)
+    cache_lever = flags.get(LATENT_CACHE.name, False)
+    # upstream HEAD's dtypes: fp32 master (weights, gradients, AdamW state), compute in bf16 through FSDP2
+    mb = 4 if (bf16 and cfg.model.parallelism.fsdp_master_dtype == "float32") else b
+    mixed = mb != b
+    optim_lever = flags.get(OPTIM_STATE_OFFLOAD.name, False)
+    frozen_lever = flags.get(FROZEN_BF16.name, False) and mixed
+    check_with_ema(frozen_lever, ema_on, ema_lever)  # the trainer's own refusal, so DRYRUN does not price it
+    c = _counts(preset_name, cfg.optimizer.keys_to_select)  # builds the model on the meta device (seconds)
+    dt = "bf16" if mb == 2 else "fp32"
+    frozen = c["all"] - c["train"]
+    state = shard(c["train"]) * 2 * mb
+
+    if frozen_lever:
+        weights = Item("weights (frozen bf16, lever)", shard(frozen) * b + shard(c["train"]) * mb + c["buffers"],
+                       shard(frozen) * 4, note=f"{frozen:,} frozen bf16 on the GPU (fp32 on the host), "
+                       f"{c['train']:,} trainable {dt}")
+    else:
+        weights = Item("weights", shard(c["all"]) * mb + c["buffers"], note=f"{c['all']:,} params {dt}"
+                       + (f", 1/{world_size} shard" if world_size > 1 else ""))
+    items = [weights]
+    if mixed:
+        unsharded = (c["all"] - c["layers"] * c["layer"] + 2 * c["layer"]) * b
+        items.append(Item("FSDP2 bf16 compute copies", unsharded,
+                          note="root unit + 2 decoder layers gathered in bf16 (MixedPrecisionPolicy)"))
+    items.append(Item("gradients", shard(c["train"]) * mb, note=f"trainable {c['train']:,} params {dt}"))
+    if optim_lever:
+        in_flight = min(state, 3 * max(OPTIM_GROUP_BYTES, 2 * mb * c["largest_train"]))
+        items.append(Item("AdamW state (streamed, lever)", in_flight + c["train_tensors"] * 4, state, pinned=True,
+                          note=f"exp_avg + exp_avg_sq {dt} in a pinned host arena; <= 3 stream groups on the GPU"))
+    else:
+        items.append(Item("AdamW state", state + c["train_tensors"] * 4,
+                          note=f"exp_avg + exp_avg_sq {dt}, step fp32 x {c['train_tensors']} tensors"))
+    if ema_on and ema_lever:
+        items.append(Item("EMA (CPU subset, lever)", 0, shard(c["train"]) * (4 + mb), pinned=True,
+                          note=f"fp32 trainable subset + {dt} staging, pinned host"))
+    elif ema_on:
+        items.append(Item("EMA (stock, fp32 clone)", shard(c["all"]) * 4, note="every parameter, fp32, on the GPU"))
+    else:
+        items.append(Item("EMA", 0, note="disabled in the TOML"))
+    vae_bytes = c["vae"] * vae_b
+    if cache_lever:
+        items.append(Item("Wan2.2 VAE (latent cache, lever 4)", 0,
+                          note=f"{c['vae']:,} params: on the GPU only in the pre-pass before training, then freed"))
+    elif vae_lever:
+        items.append(Item("Wan2.2 VAE (parked, lever)", 0, vae_bytes, pinned=True,
+                          note=f"{c['vae']:,} params, on the GPU only while a micro-batch encodes"))
+    else:
+        items.append(Item("Wan2.2 VAE (resident)", vae_bytes, note=f"{c['vae']:,} params"))
+    tokens = cap - 1
+    act = ACT_FIXED + int(ACT_PER_TOKEN_LAYER_HIDDEN * tokens * c["layers"] * c["hidden"])
+    items.append(Item("activations + transients", act if device_type == "cuda" else 0, 0 if device_type == "cuda" else act,
+                      note=f"{tokens:,} tokens x {c['layers']} layers x {c['hidden']} hidden, full AC (fitted)"))
+    items.append(Item("host process baseline", 0, HOST_BASELINE, note="torch + CUDA libraries + clip cache (measured)"))
+    outside = [Item("CUDA context", CUDA_CONTEXT if device_type == "cuda" else 0, note="outside the allocator budget")]
+    levers = ", ".join(f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD,
+                                               FROZEN_BF16) if flags.get(f.name)) or "no levers"
+    title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {grad_accum_iter or cfg.trainer.grad_accum_iter}, "
+             f"EMA {'on' if ema_on else 'off'}, {levers}, {world_size} rank(s), {device_type}, "
+             f"master {dt}" + (" (compute bf16)" if mixed else ""))
+    return Ledger(title, items, outside)
+
+
+def what_closes_the_gap(
+    cfg: SFTConfig, preset_name: str, flags: dict[str, bool], budget: int, world_size: int = 1
+) -> str:
+    """One line naming the flag(s), or failing that the cap, that makes the run fit ``budget`` bytes."""
+    base = cosmos_ledger(cfg, preset_name, flags, world_size).gpu_reserved
+    e, v, o, f = EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, OPTIM_STATE_OFFLOAD.name, FROZEN_BF16.name
+    for turn_on in ([e], [v], [e, v], [e, v, o], [e, v, o, f]):
+        if all(flags.get(f) for f in turn_on):
+            continue
+        trial = dict(flags, **{f: True for f in turn_on})
+        led = cosmos_ledger(cfg, preset_name, trial, world_size)
+        if led.fits(budget):
+            saved = (base - led.gpu_reserved) / GiB
+            return f"to fit: set {' '.join(f + '=1' for f in turn_on)} (saves {saved:.2f} GiB)"
+    both = dict(flags, **{EMA_CPU_SUBSET.name: True, VAE_CPU_OFFLOAD.name: True})
+    cap = cfg.dataloader_train.max_sequence_length
+    while cap > 1024:
+        cap -= 1024
+        if cosmos_ledger(cfg, preset_name, both, world_size, cap=cap).fits(budget):
+            return (f"to fit: set both levers and lower [dataloader_train].max_sequence_length to {cap}, then raise "
+                    f"grad_accum_iter to what `python -m cosmos_framework_ext.levers.packing --cap {cap} ...` prints")
+    return "no lever or cap makes this fit: the static components alone exceed the budget; use a larger card"
+
+
+def summary_line(ledger: Ledger) -> dict[str, Any]:
+    """The ledger's totals for a summary JSON (GiB)."""
+    return {"predicted_gpu_allocated_gib": ledger.gpu_allocated / GiB,
+            "predicted_gpu_reserved_gib": ledger.gpu_reserved / GiB,
+            "predicted_pinned_gib": ledger.pinned_bytes / GiB}
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m patches.ledger", description="Will this recipe fit the card? (memory ledger)")
+    ap.add_argument("--toml", required=True, help="recipe TOML")
+    ap.add_argument("--budget-gib", default="22.06", help="usable GPU memory in GiB (default 22.06: a 24 GB A10G)")
+    ap.add_argument("--preset", default="edge", help="model preset to size (default edge)")
+    ap.add_argument("--world-size", type=int, default=1, help="ranks (NPROC_PER_NODE x NNODES); default 1")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    try:
+        budget = parse_budget(args.budget_gib)
+        cfg = cfgmod.load(args.toml)
+        env_flags = flagmod.read_all()
+        ledger = cosmos_ledger(cfg, args.preset, env_flags, world_size=args.world_size)
+    except (ValueError, flagmod.FlagError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(ledger.format(budget))
+    if ledger.fits(budget):
+        return 0
+    print(what_closes_the_gap(cfg, args.preset, env_flags, budget, world_size=args.world_size))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

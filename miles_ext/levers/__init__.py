@@ -1,0 +1,1 @@
+"""The H3 levers: each module one lever, its proof under ``tests/equivalence/``."""

@@ -1,0 +1,1 @@
+"""The MiniMax-H3 LoRA SFT recipe: presets, inputs, latents, the step, schedule, data, trainer, export."""

@@ -1,0 +1,33 @@
+"""Load the next items on worker threads while the current one is used (data work off the critical path)."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["prefetched"]
+
+
+def prefetched(items: Iterable[T], load: Callable[[T], Any], workers: int = 2, depth: int = 2) -> Iterator[Any]:
+    """Yield ``load(item)`` for each of ``items``, in order, while the next ``depth`` are loaded on ``workers``
+    threads.
+
+    PyAV and safetensors release the GIL while decoding or reading, so the load of the next item overlaps the use of
+    this one. An error raised by ``load`` surfaces when its item is reached.
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="onecard-load") as pool:
+        queue: collections.deque = collections.deque()
+        it = iter(items)
+        while True:
+            while len(queue) < depth:
+                try:
+                    queue.append(pool.submit(load, next(it)))
+                except StopIteration:
+                    break
+            if not queue:
+                return
+            yield queue.popleft().result()
