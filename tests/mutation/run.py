@@ -1,6 +1,7 @@
 """The mutation check: put each mutant of ``mutants.toml`` alone into a copy of the repository and run its tests.
 
-``python tests/mutation/run.py [--cuda] [--min 0.95] [--only ID ...] [--jobs N] [--timeout S] [--no-baseline]``
+``python tests/mutation/run.py [--cuda] [--min 0.95] [--only ID ...] [--jobs N] [--timeout S] [--no-baseline]
+[--mutants FILE]``
 
 For each mutant: the repository's files (``git ls-files``: tracked, plus untracked files git does not ignore)
 are copied to a fresh temporary directory, the mutant's ``original`` snippet is replaced by its
@@ -161,15 +162,18 @@ def apply(mutant: Mutant, root: Path) -> None:
 
 
 def node_exists(node: str, root: Path = REPO) -> bool:
-    """Whether the pytest node id ``node`` names a test function (or class method) that exists, read statically.
+    """Whether the pytest node id ``node`` names a test function (or class method) that exists, or a whole test file
+    (``tests/test_x.py``: every test in it), read statically.
 
     Parametrize ids (``[...]``) are not checked here; pytest reports a wrong one as a usage error (exit 2 of
     :func:`main`).
     """
     file, _, rest = node.partition("::")
     path = root / file
-    if not path.is_file() or not rest:
+    if not path.is_file():
         return False
+    if not rest:
+        return path.name.startswith("test_") and path.suffix == ".py"
     parts = re.sub(r"\[.*\]$", "", rest).split("::")
     scope: list[ast.stmt] = ast.parse(path.read_text()).body
     for i, name in enumerate(parts):
@@ -255,15 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per mutant's test run (default 900)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the listed tests")
     ap.add_argument("--list", action="store_true", help="list the mutants and exit")
+    ap.add_argument("--mutants", type=Path, default=MUTANTS, help=f"the mutant list (default {MUTANTS.relative_to(REPO)})")
     args = ap.parse_args(argv)
 
     try:
-        mutants = load_mutants()
+        mutants = load_mutants(args.mutants)
         stale = problems(mutants)
         if stale:
             raise StaleList("\n".join(stale))
     except StaleList as e:
-        print(f"error: {MUTANTS.relative_to(REPO)} is stale:\n{e}", file=sys.stderr)
+        print(f"error: {args.mutants} is stale:\n{e}", file=sys.stderr)
         return 2
     if args.only:
         unknown = set(args.only) - {m.id for m in mutants}

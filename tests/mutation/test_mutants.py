@@ -87,3 +87,5 @@ def test_node_ids_are_checked():
     assert mutation.node_exists("tests/equivalence/test_ema.py::test_update_rule_by_hand[device]")
     assert not mutation.node_exists("tests/mutation/test_mutants.py::test_no_such_test")
     assert not mutation.node_exists("tests/no_such_file.py::test_x")
+    assert mutation.node_exists("tests/mutation/test_mutants.py")  # a whole test file
+    assert not mutation.node_exists("tests/mutation/run.py")  # not a test file
