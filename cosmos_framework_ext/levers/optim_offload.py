@@ -28,16 +28,16 @@ copy is the local shard, wrapped with the parameter's mesh and placements.
 
 GPU memory during the step: at most three stream groups of state at once (the one stepping, the next
 arriving, the previous leaving), i.e. <= 3 x ``group_bytes``; between steps none. Host: 2 x (bytes of the
-trainable parameters), pinned (10.54 GiB for the 1.415 B Edge subset at an fp32 master, 5.27 GiB at bf16).
-Copies move that twice per optimizer step over PCIe (about 0.4-0.8 s at 25-50 GB/s for fp32 Edge), once per
-``grad_accum_iter`` micro-batches.
+trainable parameters), pinned. Copies move that twice per optimizer step over PCIe, once per ``grad_accum_iter``
+micro-batches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable
+import types
+from typing import Any
 
 import torch
 
@@ -77,8 +77,9 @@ class StreamGroup:
 class OptimStateOffload:
     """Keeps a ``torch.optim.Adam``/``AdamW``'s moments in a host arena and streams them for each step.
 
-    Construct it after the optimizer (its state may be empty or loaded); it replaces ``optimizer.step``
-    on the instance and registers a ``load_state_dict`` post-hook. :meth:`close` undoes both.
+    Construct it after the optimizer (its state may be empty or loaded), before or after an LR scheduler; it
+    replaces ``optimizer.step`` on the instance by a bound method (:meth:`_install_step`) and registers a
+    ``load_state_dict`` post-hook. :meth:`close` undoes both.
 
     Args:
         optimizer: the optimizer (``Adam`` or ``AdamW``; any ``fused``/``foreach`` setting).
@@ -118,17 +119,34 @@ class OptimStateOffload:
         self._h2d = torch.cuda.Stream(self.device) if cuda else None
         self._d2h = torch.cuda.Stream(self.device) if cuda else None
         self.stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0}
-        self._stock_step = optimizer.step  # bound: whatever wraps it (the LR scheduler's counter, hooks) runs
-        self._restricted: Callable[..., Any] | None = None
         self._hook = optimizer.register_load_state_dict_post_hook(lambda opt: self._adopt())
-
-        def step(closure=None):
-            return self.step(closure)
-
-        if hasattr(self._stock_step, "_wrapped_by_lr_sched"):  # keep the LR scheduler's order check quiet
-            step._wrapped_by_lr_sched = True
-        optimizer.step = step
+        self._install_step()
         self._adopt()
+
+    def _install_step(self) -> None:
+        """Make ``optimizer.step`` this lever's step, as a method torch's wrappers accept.
+
+        ``optimizer.step`` becomes a *bound method* of the optimizer whose function is torch's own hook wrapper
+        (``Optimizer.profile_hook_step``) around :meth:`step`: the step pre/post hooks and the profiler range run
+        once per optimizer step, as stock, and an LR scheduler built afterwards wraps it as it wraps any optimizer
+        (``LRScheduler.__init__`` takes ``opt.step.__func__`` and binds it to the optimizer again). One built
+        before keeps its order check: the new method carries ``_wrapped_by_lr_sched`` and sets ``_opt_called`` as
+        that scheduler's wrapper would. Each stream group runs the optimizer class's raw ``step`` (without the hook
+        wrapper, so no hook runs per group)."""
+        optimizer = self.optimizer
+        self._stock_step = optimizer.step  # restored by close()
+        cls_step = type(optimizer).step  # torch hooks the class's step once (Optimizer._patch_step_function)
+        self._raw_step = cls_step.__wrapped__ if getattr(cls_step, "hooked", False) else cls_step
+        lever = self
+
+        def offload_step(opt, closure=None):
+            opt._opt_called = True  # what an LR scheduler's step wrapper records
+            return lever.step(closure)
+
+        hooked = torch.optim.Optimizer.profile_hook_step(offload_step)
+        if hasattr(self._stock_step, "_wrapped_by_lr_sched"):  # a scheduler was built first: keep it quiet
+            hooked._wrapped_by_lr_sched = True
+        optimizer.step = types.MethodType(hooked, optimizer)
 
     # ------------------------------------------------------------------ bookkeeping
     def _plan(self, group_bytes: int) -> list[StreamGroup]:
@@ -239,12 +257,12 @@ class OptimStateOffload:
                     st[k] = _wrap_like(h, v)
 
     def _step_only(self, group: StreamGroup, closure) -> Any:
-        """The optimizer's own ``step`` with its param groups restricted to ``group``'s parameters."""
+        """The optimizer class's own ``step`` (raw, no hooks) with its param groups restricted to ``group``'s parameters."""
         saved = [g["params"] for g in self.optimizer.param_groups]
         try:
             for gi, g in enumerate(self.optimizer.param_groups):
                 g["params"] = group.params if gi == group.group_index else []
-            return self._stock_step(closure) if closure is not None else self._stock_step()
+            return self._raw_step(self.optimizer, closure) if closure is not None else self._raw_step(self.optimizer)
         finally:
             for g, ps in zip(self.optimizer.param_groups, saved):
                 g["params"] = ps

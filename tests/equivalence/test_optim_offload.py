@@ -121,6 +121,60 @@ def test_fsdp2_one_rank_dtensor_state_equals_stock(tmp_path):
         assert not _differences(a, b, tmp_path)
 
 
+# ------------------------------------------------------------------------ LR scheduler and optimizer hooks
+class PlainFunctionStep(OptimStateOffload):
+    """Planted: ``optimizer.step`` replaced by a plain function (what broke upstream's scheduler build)."""
+
+    def _install_step(self):
+        super()._install_step()
+        self.optimizer.step = lambda closure=None: self.step(closure)
+
+
+def _scheduled(lever, order: str, steps: int = 4) -> dict:
+    """AdamW over a two-group model with a LambdaLR built before (``first``) or after (``after``, as upstream's
+    ``init_optimizer_scheduler`` does) the lever; a step pre-hook and a post-hook count their calls; every warning
+    is recorded."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 3e-3,
+                                                                   "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95))
+    calls = {"pre": 0, "post": 0}
+    opt.register_step_pre_hook(lambda o, a, k: calls.__setitem__("pre", calls["pre"] + 1))
+    opt.register_step_post_hook(lambda o, a, k: calls.__setitem__("post", calls["post"] + 1))
+    make = lambda: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)  # noqa: E731
+    sched = make() if order == "first" else None
+    off = lever(opt, group_bytes=128, pin=False) if lever is not None else None
+    sched = sched or make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            model(torch.randn(3, 8)).square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    return {"params": [p.detach().clone() for p in model.parameters()], "calls": calls, "off": off,
+            "lrs": [g["lr"] for g in opt.param_groups], "warnings": [str(w.message) for w in caught]}
+
+
+@pytest.mark.parametrize("order", ["after", "first"], ids=["scheduler-after-the-lever", "scheduler-first"])
+def test_lr_scheduler_and_step_hooks_see_a_stock_step(order):
+    """Built before or after the lever, torch's LambdaLR wraps and tracks the lever's step as a stock one: the weights
+    and learning rates equal stock's bit for bit, the step hooks run once per optimizer step (not per stream group),
+    and no scheduler warning is raised."""
+    stock, got = _scheduled(None, order), _scheduled(OptimStateOffload, order)
+    assert len(got["off"].groups) > 2  # several stream groups, from both param groups
+    assert all(torch.equal(a, b) for a, b in zip(stock["params"], got["params"])) and got["lrs"] == stock["lrs"]
+    assert got["calls"] == stock["calls"] == {"pre": 4, "post": 4}
+    assert got["warnings"] == stock["warnings"] == []
+
+
+def test_planted_plain_function_step_breaks_the_scheduler_build():
+    with pytest.raises(AttributeError, match="__func__"):
+        _scheduled(PlainFunctionStep, "after")
+
+
 # --------------------------------------------------------------------------------------- planted bugs
 class ThroughBf16(OptimStateOffload):
     """Planted: the state streams back to the host through bf16."""

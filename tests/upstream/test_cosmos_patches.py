@@ -226,6 +226,7 @@ def test_vae_offload_on_upstream_wan_vae_is_bit_exact():
     assert off.parked and wan.scale is off._host_scale and off.stats["unpark_count"] == 1
 
 
+@pytest.mark.optimizer_only
 def test_optimizer_state_offload_on_upstream_optimizer_cls_equals_stock():
     """Upstream's own ``_optimizer_cls`` builds AdamW; patched, its moments stream and the steps are bit-exact."""
     from cosmos_framework.utils.generator import optimizer as up
@@ -259,6 +260,72 @@ def test_optimizer_state_offload_on_upstream_optimizer_cls_equals_stock():
         ps.revert()
 
 
+class _TinySft(torch.nn.Module):
+    """Three named pathways, so that upstream's ``keys_to_select`` picks a trainable subset as in the recipe."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.ModuleDict({"moe_gen": torch.nn.Linear(8, 16), "und": torch.nn.Linear(16, 16),
+                                        "time_embedder": torch.nn.Linear(16, 4)})
+
+    def forward(self, x):
+        n = self.net
+        return n["time_embedder"](torch.relu(n["und"](torch.relu(n["moe_gen"](x)))))
+
+
+def _upstream_steps(steps: int = 4) -> dict:
+    """Upstream's own ``build_optimizer`` (-> ``_optimizer_cls``) then ``build_lr_scheduler`` (LambdaLR per optimizer),
+    the order of its ``init_optimizer_scheduler``, and its trainer's step: 2 accumulated micro-batches,
+    ``GradScaler(enabled=False).step(opt)`` (plain ``opt.step()``), ``update()``, ``scheduler.step()``."""
+    import warnings
+
+    from cosmos_framework.utils.generator import optimizer as up
+
+    model = _TinySft()
+    opt = up.build_optimizer(model, "AdamW", lr=5e-4, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.1, fused=True,
+                             keys_to_select=["moe_gen", "time_embedder"], lr_multipliers={},
+                             disable_weight_decay_for_1d_params=True)
+    sched = up.build_lr_scheduler(opt, "LambdaCosine", warm_up_steps=[2], cycle_lengths=[10], f_start=[0.0],
+                                  f_max=[1.0], f_min=[0.0], verbosity_interval=0)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    calls = []
+    for o in opt:
+        o.register_step_pre_hook(lambda *_: calls.append(1))
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            for _ in range(2):
+                (model(torch.randn(4, 8, generator=g)).square().mean() / 2).backward()
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            opt.zero_grad()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "opt": opt, "hooks": len(calls),
+            "warnings": [str(w.message) for w in caught if "lr_scheduler" in str(w.message)]}
+
+
+@pytest.mark.optimizer_only
+def test_optimizer_state_offload_through_upstreams_optimizer_and_scheduler_builders():
+    """Upstream's builders with the patch on: the scheduler is built after the lever (as upstream's trainer does),
+    the steps equal stock bit for bit, the step hooks run once per step and the scheduler warns of nothing."""
+    from cosmos_framework_ext.levers.optim_offload import OptimStateOffload
+
+    stock = _upstream_steps()
+    ps = patch_set()
+    ps.apply({"COSMOS_OPTIM_STATE_OFFLOAD": True})
+    try:
+        got = _upstream_steps()
+    finally:
+        ps.revert()
+    assert all(isinstance(o._onecard_state_offload, OptimStateOffload) for o in got["opt"])
+    assert got["params"].keys() == stock["params"].keys()
+    assert all(torch.equal(got["params"][k], stock["params"][k]) for k in stock["params"])
+    assert got["hooks"] == stock["hooks"] > 0 and got["warnings"] == stock["warnings"] == []
+
+
+@pytest.mark.optimizer_only
 def test_changed_optimizer_cls_signature_is_refused(monkeypatch):
     from cosmos_framework.utils.generator import optimizer as up
 
