@@ -104,7 +104,10 @@ train=(-m cosmos_framework_ext.recipe.train --sft-toml="$TOML_FILE" "$@")
 # OUTPUT_ROOT writable, BASE_CHECKPOINT_PATH's header, WAN_VAE_PATH's config, every dataset row and video, and
 # a resume's settings against the checkpoint's. Bad input then ends with the trainer's one error line and exit
 # status 2, with nothing written, before torchrun wraps anything in its report.
+echo "onecard: checking every input before the run starts (TOML, flags, paths, dataset rows and videos, output" \
+     "folder; a first run also prepares the sample dataset) ..."
 "$PYTHON" "${train[@]}" --validate-only >/dev/null || exit $?
+echo "onecard: inputs OK; starting the trainer"
 if [[ "${NPROC_PER_NODE:-1}" == 1 && "${NNODES:-1}" == 1 ]]; then
   # One process: no torchrun around it, so an error found only now (say, another run took the output
   # folder's lock after the check above) is still one error line and exit status 2, with no torchrun report.

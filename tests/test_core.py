@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -222,3 +223,236 @@ def test_release_file_pages_keeps_pages_written_after_the_load(tmp_path):
     released = release_file_pages([a])
     assert float(a[: 1 << 18].min()) == 5.0 and float(a.sum()) == 5.0 * (1 << 18)
     assert (2 << 20) < released <= (3 << 20) + 8192  # the other three quarters went back
+
+
+# ------------------------------------------------------------------------------- checkpoint order and retention
+def test_checkpoints_are_ordered_by_step_not_by_file_time(tmp_path):
+    """``all()`` is oldest *step* first and ``latest()`` the highest step, whatever the files' modification times
+    (a copied or restored folder has arbitrary ones). Expectation by hand: steps 10 and 2 saved in that order, the
+    step-10 file then made the older one on disk: ``all()`` still lists 2 before 10 and ``latest()`` is step 10."""
+    m = CheckpointManager(tmp_path)
+    p10 = m.save(10, {"x": torch.tensor(10)})
+    p2 = m.save(2, {"x": torch.tensor(2)})
+    os.utime(p10, (1_000_000, 1_000_000))
+    os.utime(p2, (2_000_000, 2_000_000))
+    assert m.all() == [(2, p2), (10, p10)]
+    assert m.latest() == p10
+    path, state = m.load_latest()
+    assert path == p10 and int(state["x"]) == 10
+
+
+def test_marker_is_written_only_after_the_file_is_complete(tmp_path, monkeypatch):
+    """A save whose write fails (a full disk) leaves the marker naming the previous, complete checkpoint and no
+    file under the new step's name: the marker must never name a file that is not complete. Expected by hand:
+    after step 1 saved and step 2 failing, ``latest_checkpoint.txt`` reads ``iter_000000001.pt``."""
+    m = CheckpointManager(tmp_path)
+    m.save(1, {"x": torch.tensor(1)})
+
+    def disk_full(obj, path, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        m.save(2, {"x": torch.tensor(2)})
+    assert (m.dir / "latest_checkpoint.txt").read_text() == "iter_000000001.pt\n"
+    assert not m.path(2).exists()
+    assert sorted(p.name for p in m.dir.iterdir()) == ["iter_000000001.pt", "latest_checkpoint.txt"]
+
+
+@pytest.mark.parametrize("keep, saves, left", [
+    (2, [1, 2, 3, 4], [3, 4]),
+    (1, [1, 2, 3], [3]),
+    (3, [1, 2, 3, 4, 5], [3, 4, 5]),
+    (0, [1, 2, 3, 4], [1, 2, 3, 4]),  # 0 keeps every checkpoint
+    (2, [5, 6, 3], [3, 6]),  # a save below the newest step (a re-run from an older one): the new file stays
+], ids=["keep2", "keep1", "keep3", "keep0-all", "new-file-below-newest"])
+def test_retention_keeps_exactly_n_and_never_the_just_written_file(tmp_path, keep, saves, left):
+    """``keep = N`` leaves exactly N checkpoints after each save: the one just written and the N - 1 highest-step
+    others; ``keep = 0`` leaves all. The expected steps are written out by hand per case."""
+    m = CheckpointManager(tmp_path, keep=keep)
+    for s in saves:
+        p = m.save(s, {"x": torch.tensor(s)})
+        assert p.is_file()  # the file just written is never deleted
+    assert [s for s, _ in m.all()] == left
+    assert (m.dir / "latest_checkpoint.txt").read_text() == f"iter_{saves[-1]:09d}.pt\n"
+
+
+def test_clean_stale_removes_only_hidden_temporaries(tmp_path):
+    """``clean_stale`` removes what a killed atomic write leaves (``.<name>.tmp-<random>``: hidden AND marked), and
+    nothing else: not a hidden file of the user's, not a visible name that merely contains ``.tmp-``, not a
+    checkpoint. Expected set written by hand."""
+    m = CheckpointManager(tmp_path)
+    m.save(1, {"x": torch.tensor(1)})
+    for name in (".iter_000000002.pt.tmp-abc", ".notes", "iter_000000003.pt.tmp-xyz", ".latest_checkpoint.txt.tmp-q"):
+        (m.dir / name).write_bytes(b"x")
+    assert sorted(p.name for p in m.clean_stale()) == [".iter_000000002.pt.tmp-abc", ".latest_checkpoint.txt.tmp-q"]
+    assert sorted(p.name for p in m.dir.iterdir()) == [".notes", "iter_000000001.pt", "iter_000000003.pt.tmp-xyz",
+                                                        "latest_checkpoint.txt"]
+
+
+def test_atomic_write_uses_a_hidden_marked_temporary_in_the_same_folder(tmp_path):
+    """The temporary an atomic write goes through is ``.<name>.tmp-<random>`` in the destination's folder (the
+    documented pattern, which ``clean_stale`` finds after a SIGKILL): hidden, so no reader globbing ``iter_*.pt``
+    sees a half file. Checked on the path the writer is handed."""
+    seen = []
+
+    def write(tmp):
+        seen.append(tmp)
+        tmp.write_bytes(b"data")
+
+    atomic_write(tmp_path / "iter_000000007.pt", write)
+    (tmp,) = seen
+    assert tmp.parent == tmp_path and tmp.name.startswith(".iter_000000007.pt.tmp-") and len(tmp.name) > 23
+    assert (tmp_path / "iter_000000007.pt").read_bytes() == b"data" and not tmp.exists()
+
+
+# ------------------------------------------------------------------------------------------- the trainer skeleton
+class _CountingRecipe:
+    """A minimal recipe: each step records its index; the checkpoint holds the list of trained steps."""
+
+    def __new__(cls, run_dir, max_steps):
+        from patches.core.trainer import Recipe, StepResult
+
+        class Counting(Recipe):
+            def build(self, stack):
+                pass
+
+            def state_dict(self):
+                return {"trained": list(self.trained)}
+
+            def load_state_dict(self, state):
+                self.trained = list(state["trained"])
+                return len(self.trained)
+
+            def train_step(self, step):
+                self.trained.append(step)
+                return StepResult(loss=float(step), seconds=0.01)
+
+            def summary(self, start, results, checkpoint):
+                return {"start": start, "losses": [r.loss for r in results],
+                        "checkpoint": checkpoint.name if checkpoint else None}
+
+        r = Counting()
+        r.run_dir, r.max_steps, r.trained = Path(run_dir), max_steps, []
+        r.checkpoints = CheckpointManager(run_dir)
+        return r
+
+
+def test_trainer_saves_at_the_end_resumes_cleans_and_stops_when_done(tmp_path, capsys):
+    """The skeleton's steps against hand-written expectations: a fresh 3-step run trains steps 0..2 and writes
+    ``iter_000000003.pt`` (the default ``save_due`` is "after the last step"); a resume to 5 steps removes a killed
+    save's temporary (and says so), trains steps 3 and 4 only, and writes ``iter_000000005.pt``; a third run at 5
+    steps trains nothing, says "nothing to do" and returns the summary already on disk."""
+    from patches.core.trainer import run
+
+    first = run(_CountingRecipe(tmp_path, 3))
+    assert first == {"start": 0, "losses": [0.0, 1.0, 2.0], "checkpoint": "iter_000000003.pt"}
+    assert [s for s, _ in CheckpointManager(tmp_path).all()] == [3]
+    stale = tmp_path / "checkpoints" / ".iter_000000004.pt.tmp-dead"
+    stale.write_bytes(b"half")
+    capsys.readouterr()
+    second = run(_CountingRecipe(tmp_path, 5))
+    err = capsys.readouterr().err
+    assert second == {"start": 3, "losses": [3.0, 4.0], "checkpoint": "iter_000000005.pt"}
+    assert not stale.exists() and "removed 1 temporary file(s)" in err and ".iter_000000004.pt.tmp-dead" in err
+    done = _CountingRecipe(tmp_path, 5)
+    third = run(done)
+    out = capsys.readouterr().out
+    assert "nothing to do" in out and done.trained == [0, 1, 2, 3, 4]  # loaded, nothing trained
+    assert third == second == json.loads((tmp_path / "summary.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------- the run lock
+NO_SUCH_PID = (1 << 22) + 7
+"""Above Linux's largest pid_max (2**22): no process can have it."""
+
+
+def test_lock_of_another_host_is_never_taken_over(tmp_path):
+    """A lock written on another host names a pid this host cannot check: it is refused (RunLocked naming the
+    process and the host), never removed as stale, even when that pid does not exist here."""
+    import socket
+
+    lock = tmp_path / ".onecard.lock"
+    dead = NO_SUCH_PID  # no process here has it
+    host = socket.gethostname() + "-other"
+    lock.write_text(json.dumps({"pid": dead, "host": host}))
+    with pytest.raises(RunLocked, match=f"in use by process {dead} on {host}"):
+        with hold_run_lock(tmp_path):
+            pass
+    assert json.loads(lock.read_text())["host"] == host  # left as it was
+
+
+def test_lock_of_another_users_live_process_is_not_taken_over(tmp_path, monkeypatch):
+    """``os.kill(pid, 0)`` on a live process of another user raises ``PermissionError`` (EPERM): that process
+    exists, so its lock is refused, not taken over. Simulated with an ``os.kill`` that raises as the kernel does
+    for such a pid (only for that pid)."""
+    import socket
+
+    other = NO_SUCH_PID
+    real_kill = os.kill
+
+    def kill(pid, sig):
+        if pid == other:
+            raise PermissionError(1, "Operation not permitted")
+        return real_kill(pid, sig)
+
+    monkeypatch.setattr(os, "kill", kill)
+    lock = tmp_path / ".onecard.lock"
+    lock.write_text(json.dumps({"pid": other, "host": socket.gethostname()}))
+    with pytest.raises(RunLocked, match=f"in use by process {other}"):
+        with hold_run_lock(tmp_path):
+            pass
+    assert lock.exists()
+
+
+# ------------------------------------------------------------------------------------------- the host arena
+def test_host_arena_aligns_each_view_to_64_bytes_and_no_more():
+    """Each view starts at the next multiple of 64 bytes, and ``nbytes`` is the end of the last view. By hand:
+    float32 x3 (12 B) at 0, uint8 x5 at 64, float64 x1 at 128 -> nbytes 136; an already aligned end (16 float32 =
+    64 B) puts the next view at 64, not 128."""
+    from patches.core.host_arena import HostArena
+
+    a = HostArena([((3,), torch.float32), ((5,), torch.uint8), ((1,), torch.float64)], pin=False)
+    base = a.tensors[0].data_ptr()
+    assert [t.data_ptr() - base for t in a.tensors] == [0, 64, 128]
+    assert a.nbytes == 136 and a.pinned_bytes == 0
+    b = HostArena([((4, 4), torch.float32), ((2,), torch.float32)], pin=False)
+    assert b.tensors[1].data_ptr() - b.tensors[0].data_ptr() == 64 and b.nbytes == 72
+    assert HostArena([], pin=False).nbytes == 0
+    assert [tuple(t.shape) for t in a.tensors] == [(3,), (5,), (1,)]
+    assert [t.dtype for t in a.tensors] == [torch.float32, torch.uint8, torch.float64]
+
+
+# ------------------------------------------------------------------------------------------------ the flags
+def test_resident_blocks_parser_accepts_ints_and_ascii_digits_only():
+    """``parse_resident_blocks``: an int >= 0 is a count (0 included: stream every block); a bool is not a count
+    (``True`` is refused, not read as 1); text must be ASCII digits (Arabic-Indic ``\u0663`` reads as 3 with
+    ``int()`` but is refused)."""
+    from patches.core.flags import FlagError, parse_resident_blocks
+
+    src = "--fsdp-resident-blocks"
+    assert parse_resident_blocks(0, src) == 0 and parse_resident_blocks(3, src) == 3
+    assert parse_resident_blocks("0", src) == 0
+    for bad in (True, False, "\u0663", "\u00b3", "-1", -1):
+        with pytest.raises(FlagError, match="fsdp-resident-blocks"):
+            parse_resident_blocks(bad, src)
+
+
+def test_env_numbers_refuse_infinity_and_a_budget_beside_a_count():
+    """``env_number`` / ``MILES_GPU_BUDGET_GIB`` take a finite number above the bound: ``inf`` is refused like
+    ``nan``; and the budget only goes with ``MILES_RESIDENT_BLOCKS=auto`` (with a count, or no residency flag, it
+    is refused)."""
+    from patches.core.flags import FlagError, env_number, miles_gpu_budget_gib, read_miles
+
+    for raw in ("inf", "-inf", "nan", "0", "abc"):
+        with pytest.raises(FlagError, match="MILES_GPU_BUDGET_GIB"):
+            miles_gpu_budget_gib({"MILES_GPU_BUDGET_GIB": raw})
+    assert miles_gpu_budget_gib({"MILES_GPU_BUDGET_GIB": "40"}) == 40.0
+    assert env_number("X", 0.01, "fix", {"X": "0.01"}, at_least=True) == 0.01
+    with pytest.raises(FlagError, match="X='inf'"):
+        env_number("X", 0.01, "fix", {"X": "inf"}, at_least=True)
+    on = {"MILES_ONECARD_FSDP": "1", "MILES_GPU_BUDGET_GIB": "40"}
+    for blocks in ("3", "0", ""):
+        with pytest.raises(FlagError, match="MILES_RESIDENT_BLOCKS=auto"):
+            read_miles(dict(on, MILES_RESIDENT_BLOCKS=blocks))
+    assert read_miles(dict(on, MILES_RESIDENT_BLOCKS="auto"))["MILES_RESIDENT_BLOCKS"] == "auto"

@@ -94,6 +94,77 @@ def test_any_listed_signature_is_accepted(fake_upstream):
     ps.revert()
 
 
+
+def test_renamed_parameter_with_the_same_count_is_refused(fake_upstream):
+    """The check compares parameter *names*, not their count: ``encode(self, latent)`` where the table expects
+    ``(self, state)`` is another function (a keyword caller would break) and is refused by name."""
+    fake_upstream.Model.encode = lambda self, latent: latent
+    with pytest.raises(UpstreamMismatch, match=r"Model.encode has parameters \('self', 'latent'\), expected "
+                                               r"\('self', 'state'\)"):
+        _table().apply({VAE_CPU_OFFLOAD.name: True})
+    assert getattr(fake_upstream.Model.encode, MARK, None) is None  # nothing patched
+
+
+def test_revert_undoes_registry_side_effects_after_restoring_the_original(fake_upstream):
+    """A replacement that also registered itself somewhere (as the attention backend patch does in upstream's
+    ``BACKEND_MAP``) carries ``onecard_undo``; ``revert`` calls it, so the registry is as before the apply, and
+    calls it once the original is back on its target (the undo sees the original)."""
+    registry = {"stock": "stock-backend"}
+    seen_at_undo = []
+
+    def registering(original):
+        def replacement(self, *a, **k):
+            return ("reg", original(self, *a, **k))
+
+        def undo():
+            seen_at_undo.append(fake_upstream.Model.set_up)
+            del registry["onecard"]
+
+        registry["onecard"] = replacement
+        replacement.onecard_undo = undo
+        return replacement
+
+    fake_upstream.registering = registering
+    original = fake_upstream.Model.set_up
+    ps = PatchSet("fake", "fake@abc123", [Patch("reg.set_up", EMA_CPU_SUBSET, "fake_upstream_mod:Model.set_up",
+                                                (("self",),), "fake_upstream_mod:registering")])
+    ps.apply({EMA_CPU_SUBSET.name: True})
+    assert set(registry) == {"stock", "onecard"} and fake_upstream.Model().set_up() == ("reg", "original set_up")
+    ps.revert()
+    assert registry == {"stock": "stock-backend"} and seen_at_undo == [original]
+    assert fake_upstream.Model.set_up is original
+
+
+def test_revert_restores_newest_first(fake_upstream):
+    """Two patches stacked on one target (the second wraps the first): ``revert`` must undo the newest first, so the
+    target ends as the upstream original (oldest first would leave the first patch installed), and the undo hooks
+    run newest first. Expected by hand: calls ``b(a(original))`` while applied; undo order b, a; then the original."""
+    log = []
+
+    def tagged(tag):
+        def factory(original):
+            def replacement(self, *a, **k):
+                return (tag, original(self, *a, **k))
+
+            replacement.onecard_undo = lambda: log.append(tag)
+            return replacement
+
+        return factory
+
+    fake_upstream.impl_a, fake_upstream.impl_b = tagged("a"), tagged("b")
+    original = fake_upstream.Model.set_up
+    ps = PatchSet("fake", "fake@abc123", [
+        Patch("a.set_up", EMA_CPU_SUBSET, "fake_upstream_mod:Model.set_up", (("self",),), "fake_upstream_mod:impl_a"),
+        Patch("b.set_up", VAE_CPU_OFFLOAD, "fake_upstream_mod:Model.set_up", (("self",),), "fake_upstream_mod:impl_b"),
+    ])
+    ps.apply({EMA_CPU_SUBSET.name: True})
+    ps.apply({VAE_CPU_OFFLOAD.name: True})
+    assert fake_upstream.Model().set_up() == ("b", ("a", "original set_up"))
+    ps.revert()
+    assert log == ["b", "a"]
+    assert fake_upstream.Model.set_up is original and fake_upstream.Model().set_up() == "original set_up"
+
+
 def test_cosmos_table_names_real_targets():
     from patches.cosmos_table import PATCHES, SUPPORTED
 

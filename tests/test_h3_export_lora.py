@@ -196,3 +196,41 @@ def test_exported_folder_has_the_modes_of_any_new_output(trained, tmp_path):
     export_lora.export(trained[1], out, comfyui=True)
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
     assert {stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {0o666 & ~mask}
+
+
+def test_every_exported_tensor_is_fp32_from_a_bf16_checkpoint(tmp_path):
+    """The module docstrings promise PEFT's layout "contiguous fp32" (:func:`export_lora.peft_state_dict`, also the
+    diffusers file) and ComfyUI's "All fp32" (:func:`export_lora.comfyui_state_dict`). A checkpoint whose LoRA tensors
+    are bf16 (a run that kept its adapters in bf16) must still give fp32 tensors in all three files, holding the bf16
+    values exactly (bf16 -> fp32 is exact): a standalone module (``proj_in`` -> ``video_patch_proj``), a plain block
+    module (``ff.net.2`` -> ``mlp.fc2``) and the fused ``qkv_proj`` (downs stacked ``[A_q; A_k; A_v]``)."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(5)
+    mods = ["proj_in", "transformer_blocks.0.ff.net.2",
+            *(f"transformer_blocks.0.attn.to_{x}" for x in "qkv")]
+    lora = {}
+    for m in mods:
+        lora[f"{m}.lora_A.default.weight"] = torch.randn(RANK, 8, generator=g).to(torch.bfloat16)
+        lora[f"{m}.lora_B.default.weight"] = torch.randn(6, RANK, generator=g).to(torch.bfloat16)
+    ckpt = tmp_path / "iter_000000001.pt"
+    torch.save({"lora": lora, "lora_meta": {"rank": RANK, "alpha": ALPHA, "target_modules": ["proj_in", "to_q"]}},
+               ckpt)
+    export_lora.export(ckpt, tmp_path / "adapter", comfyui=True)
+    files = {f: load_file(str(tmp_path / "adapter" / f)) for f in
+             ("adapter_model.safetensors", "pytorch_lora_weights.safetensors", "lora_comfyui.safetensors")}
+    for f, sd in files.items():
+        assert sd and {str(v.dtype) for v in sd.values()} == {"torch.float32"}, (f, {k: v.dtype for k, v in sd.items()})
+    peft, diff, comfy = files.values()
+    for m in mods:
+        for kind in ("lora_A", "lora_B"):
+            src = lora[f"{m}.{kind}.default.weight"].float()
+            assert torch.equal(peft[f"base_model.model.{m}.{kind}.weight"], src)
+            assert torch.equal(diff[f"transformer.{m}.{kind}.weight"], src)
+    assert torch.equal(comfy["diffusion_model.video_patch_proj.lora_down.weight"],
+                       lora["proj_in.lora_A.default.weight"].float())
+    assert torch.equal(comfy["diffusion_model.blocks.0.mlp.fc2.lora_up.weight"],
+                       lora["transformer_blocks.0.ff.net.2.lora_B.default.weight"].float())
+    assert torch.equal(comfy["diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight"],
+                       torch.cat([lora[f"transformer_blocks.0.attn.to_{x}.lora_A.default.weight"].float()
+                                  for x in "qkv"]))

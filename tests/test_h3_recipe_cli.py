@@ -179,3 +179,21 @@ def test_translate_function_api():
     with pytest.raises(UserError):  # TranslationError is the shared bad-input type (and still a ValueError)
         translate(RECIPE_8, from_gpus=8, to_gpus=3)
     assert issubclass(TranslationError, UserError) and issubclass(TranslationError, ValueError)
+
+
+def test_multi_node_gpu_count_is_per_node_times_nodes():
+    """``--actor-num-gpus-per-node 4 --actor-num-nodes 2`` is 4 x 2 = 8 GPUs (the translator's docstring: the GPU
+    count must agree with ``--actor-num-*``): it translates ``--from-gpus 8`` and is refused for ``--from-gpus 4``.
+    The translated set runs on one node: ``--actor-num-gpus-per-node 1 --actor-num-nodes 1`` (4 x 1 would ask the
+    launcher for the source run's node count again)."""
+    args = list(RECIPE_8)
+    args[args.index("--actor-num-gpus-per-node") + 1] = "4"
+    args[args.index("--actor-num-nodes") + 1] = "2"
+    t = translate(args, from_gpus=8, to_gpus=1)
+    assert _flag(t.args, "--actor-num-gpus-per-node") == "1" and _flag(t.args, "--actor-num-nodes") == "1"
+    assert t.args.count("--actor-num-nodes") == 1 and _flag(t.args, "--onecard-emulate-dp-size") == "8"
+    assert "--actor-num-gpus-per-node/--actor-num-nodes 4 x 2 -> 1 x 1" in t.changed[0]
+    with pytest.raises(TranslationError, match=r"4 x --actor-num-nodes 2 = 8 GPUs, but --from-gpus is 4"):
+        translate(args, from_gpus=4, to_gpus=1)
+    t2 = translate(args, from_gpus=8, to_gpus=2)
+    assert _flag(t2.args, "--actor-num-gpus-per-node") == "2" and _flag(t2.args, "--actor-num-nodes") == "1"

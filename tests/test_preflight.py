@@ -170,3 +170,36 @@ def test_h3_bad_input_is_refused_before_anything_is_encoded(tmp_path, args, env,
     assert "--dataset " not in line and "nothing to do" not in r.stdout
     if "MASTER_PORT" in env:
         assert f"MASTER_PORT={env['MASTER_PORT']} is in use" in line
+
+
+# ------------------------------------------------------------------------------- the check helpers, in-process
+def test_check_at_least_refuses_nan_and_values_below():
+    """``check_at_least``: ``value >= minimum`` passes (the bound included); below it, and NaN (which compares
+    false with everything), are one UserError naming the setting, its value and the hint."""
+    from patches.core.errors import UserError
+    from patches.core.preflight import check_at_least
+
+    check_at_least(2, 2, "--steps")
+    check_at_least(2.5, 1, "--steps")
+    for bad in (float("nan"), 1, -float("inf")):
+        with pytest.raises(UserError, match=r"--steps = .* must be >= 2; raise it"):
+            check_at_least(bad, 2, "--steps", "raise it")
+
+
+def test_check_writable_refuses_a_broken_link_at_the_path_itself(tmp_path):
+    """An output folder that is itself a dangling symbolic link cannot be created (``mkdir`` fails with
+    FileExistsError): refused up front naming the link, as a dangling link higher up the path is; a folder that is
+    a working link, or a missing one under a writable folder, passes."""
+    from patches.core.errors import UserError
+    from patches.core.preflight import check_writable
+
+    (tmp_path / "out").symlink_to(tmp_path / "gone")
+    with pytest.raises(UserError, match=f"{tmp_path / 'out'} is a broken symbolic link"):
+        check_writable(tmp_path / "out", "OUTPUT_ROOT")
+    with pytest.raises(UserError, match="broken symbolic link"):
+        check_writable(tmp_path / "out" / "run1", "OUTPUT_ROOT")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert check_writable(tmp_path / "link", "OUTPUT_ROOT") == tmp_path / "link"
+    assert check_writable(tmp_path / "new" / "run", "OUTPUT_ROOT") == tmp_path / "new" / "run"
+    assert not (tmp_path / "new").exists()

@@ -11,6 +11,7 @@ and one error naming the lock and the process, and a lock left by a dead process
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -83,6 +84,18 @@ def test_compare_refuses_a_change_names_both_values_and_applies_adjustable_ones(
     assert "\n" not in msg and "lr was 0.0001, now 0.0002" in msg and "keys was ['a', 'b'], now ['a']" in msg
     assert "max_iter" not in msg  # adjustable: not a reason to refuse
     assert settingsmod.compare(saved, {"lr": 1e-4, "new_setting": 3}) == []  # not in the checkpoint: not compared
+
+
+
+def test_compare_tells_a_boolean_from_the_number_it_equals():
+    """A boolean setting is not the integer it compares equal to in Python: ``True`` saved and ``1`` given (a flag
+    turned into a count, say) is a change, and so are ``False`` -> ``0`` and ``1`` -> ``True``; ``True`` -> ``True``
+    and ``1`` -> ``1.0`` are not. Expectations by hand from the module's rule (bool compared by identity)."""
+    for old, new in ((True, 1), (False, 0), (1, True), (0.0, False), ([True], [1])):
+        with pytest.raises(settingsmod.SettingsChanged, match=re.escape(f"flag was {old!r}, now {new!r}")):
+            settingsmod.compare({"flag": old}, {"flag": new}, checkpoint="ck.pt")
+    for old, new in ((True, True), (False, False), (1, 1.0), ([1, True], [1.0, True])):
+        assert settingsmod.compare({"flag": old}, {"flag": new}) == []
 
 
 # ---------------------------------------------------------------------------------------------- Cosmos

@@ -78,7 +78,7 @@ def test_bad_environment_fails_with_one_line_and_writes_nothing(env, monkeypatch
         ({"max_caption_tokens  = 2048": "max_caption_tokens  = 2048\nmax_caption_tokenz = 1"},
          "unknown key(s) ['max_caption_tokenz'] in [dataloader_train]"),
         ({"[onecard]": "[onecard]\n[mystery]\nx = 1\n[onecard2]"}, "unknown table [mystery]"),
-        ({"rate            = 0.1": "rate            = 0.9"}, "EMA rate 0.9 is outside"),
+        ({"rate            = 0.1": "rate            = 0.9"}, "[model.ema].rate = 0.9 must be > 0 and < 0.28"),
     ],
     ids=["empty-keys", "keys-match-nothing", "unknown-key", "unknown-table", "bad-ema-rate"],
 )

@@ -33,6 +33,25 @@ import numpy as np
 
 from typing import Protocol
 
+from patches.core.errors import UserError
+
+
+class PackingError(UserError):
+    """No sample fits the packing cap: the run would train nothing (the message names the cap to use)."""
+
+
+def check_some_sample_fits(source: "Source", cap: int, where: str = "the packing cap") -> None:
+    """At least one access of one sample can fit an empty micro-batch at ``cap`` (``source.min_token_count``: the
+    smallest window with its caption dropped), so that training is not a loop that drops everything.
+
+    Raises:
+        PackingError: no access of any sample fits (names the cap to use).
+    """
+    smallest = min((source.min_token_count(i) for i in range(len(source))), default=0)
+    if smallest and not fits(0, smallest, cap):
+        raise PackingError(f"{where} {cap} is below every sample (the smallest possible has {smallest} tokens; the "
+                           f"fit rule is tokens < cap): raise it above {smallest}")
+
 
 class Source(Protocol):
     """What the packing needs of a dataset: per-access token counts and the samples themselves."""
@@ -42,6 +61,8 @@ class Source(Protocol):
     def token_count(self, i: int, epoch: int) -> int: ...
 
     def max_token_count(self, i: int) -> int: ...
+
+    def min_token_count(self, i: int) -> int: ...
 
     def sample(self, i: int, epoch: int) -> Any: ...
 
@@ -56,6 +77,8 @@ __all__ = [
     "rank_partition",
     "plan",
     "Source",
+    "PackingError",
+    "check_some_sample_fits",
 ]
 
 logger = logging.getLogger("onecard.packing")
@@ -244,7 +267,7 @@ class PackingLoader:
                 self.dropped_samples.append((epoch, index, tokens))
             self.dropped_count += len(result.dropped)
             if not result.batches and result.dropped:
-                raise ValueError(
+                raise PackingError(
                     f"every sample of rank {self.rank} was dropped in epoch {epoch} (cap {self.cap}); "
                     f"raise the cap above {max(t for _, t in result.dropped)}"
                 )

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping
 
-from patches.core.config import ConfigError, from_mapping
+from patches.core.config import ConfigError, from_mapping, meaning
 from patches.core.errors import cli
 from patches.core.io import atomic_write_text
 
@@ -76,9 +76,9 @@ class EMAConfig:
 
     enabled: bool = True
     """Keep an EMA of the weights at all."""
-    rate: float = 0.1
+    rate: float = dataclasses.field(default=0.1, metadata=meaning(gt=0, lt=0.28, why="sigma_rel of the power EMA"))
     """sigma_rel of the power EMA; must lie in (0, 0.28)."""
-    iteration_shift: int = 0
+    iteration_shift: int = dataclasses.field(default=0, metadata=meaning(ge=0))
     """Added to the iteration before beta is computed."""
 
 
@@ -86,9 +86,9 @@ class EMAConfig:
 class ParallelismConfig:
     """``[model.parallelism]``: upstream's FSDP mesh (the embedded trainer shards over all ranks)."""
 
-    data_parallel_shard_degree: int = -1
+    data_parallel_shard_degree: int = dataclasses.field(default=-1, metadata=meaning(ge=1, allowed=(-1,)))
     """Ranks a parameter is sharded over (-1: all)."""
-    data_parallel_replicate_degree: int = 1
+    data_parallel_replicate_degree: int = dataclasses.field(default=1, metadata=meaning(ge=1))
     """Replicas of each shard."""
     fsdp_master_dtype: str = "bfloat16"
     """Storage dtype of the network's parameters on a GPU (upstream ``parallelism.fsdp_master_dtype``; the CPU
@@ -142,7 +142,7 @@ class TokenizerConfig:
 class ModelConfig:
     """``[model]``: the network and its sub-tables."""
 
-    max_num_tokens_after_packing: int = 45056
+    max_num_tokens_after_packing: int = dataclasses.field(default=45056, metadata=meaning(ge=1))
     """Upstream's packed sequence length (the embedded trainer packs to ``[dataloader_train]``'s cap)."""
     joint_attn_implementation: str = "two_way"
     """Upstream's joint attention kernel choice."""
@@ -165,17 +165,18 @@ class ModelConfig:
 class OptimizerConfig:
     """``[optimizer]``: AdamW over the trainable subset."""
 
-    betas: list[float] = _list(0.9, 0.95)
-    """AdamW betas."""
-    eps: float = 1.0e-6
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.95],
+                                           metadata=meaning(ge=0, lt=1, why="AdamW betas lie in [0, 1)"))
+    """AdamW betas (two, each in [0, 1))."""
+    eps: float = dataclasses.field(default=1.0e-6, metadata=meaning(gt=0, why="AdamW epsilon"))
     """AdamW epsilon."""
     fused: bool = True
     """Fused AdamW kernel (on a GPU)."""
     keys_to_select: list[str] = _list("moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen")
     """Upstream module keys whose parameters are trained; everything else is frozen."""
-    lr: float = 1.0e-4
+    lr: float = dataclasses.field(default=1.0e-4, metadata=meaning(gt=0, why="the peak learning rate"))
     """Peak learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = dataclasses.field(default=0.0, metadata=meaning(ge=0, why="AdamW weight decay"))
     """AdamW weight decay."""
 
 
@@ -183,17 +184,17 @@ class OptimizerConfig:
 class SchedulerConfig:
     """``[scheduler]``: upstream's ``LambdaWarmUpCosineScheduler`` (the first cycle is used)."""
 
-    cycle_lengths: list[int] = _list(1000)
+    cycle_lengths: list[int] = dataclasses.field(default_factory=lambda: [1000], metadata=meaning(ge=1))
     """Optimizer steps per cosine cycle."""
-    f_max: list[float] = _list(1.0)
+    f_max: list[float] = dataclasses.field(default_factory=lambda: [1.0], metadata=meaning(ge=0))
     """Peak multiplier of the learning rate."""
-    f_min: list[float] = _list(0.0)
+    f_min: list[float] = dataclasses.field(default_factory=lambda: [0.0], metadata=meaning(ge=0))
     """Final multiplier."""
-    f_start: list[float] = _list(0.0)
+    f_start: list[float] = dataclasses.field(default_factory=lambda: [0.0], metadata=meaning(ge=0))
     """Multiplier at step 0 (warm-up start)."""
-    verbosity_interval: int = 0
+    verbosity_interval: int = dataclasses.field(default=0, metadata=meaning(ge=0))
     """Upstream's scheduler logging interval."""
-    warm_up_steps: list[int] = _list(50)
+    warm_up_steps: list[int] = dataclasses.field(default_factory=lambda: [50], metadata=meaning(ge=0))
     """Linear warm-up steps."""
 
 
@@ -202,7 +203,7 @@ class SchedulerConfig:
 class CompileTokenizerCallback:
     """``[trainer.callbacks.compile_tokenizer]``: upstream compiles the VAE after a few iterations."""
 
-    compile_after_iterations: int = 3
+    compile_after_iterations: int = dataclasses.field(default=3, metadata=meaning(ge=0))
     """Iterations before the VAE is compiled."""
     enabled: bool = False
     """Whether upstream compiles the VAE."""
@@ -212,7 +213,7 @@ class CompileTokenizerCallback:
 class GradClipCallback:
     """``[trainer.callbacks.grad_clip]``: upstream ``GradClip``."""
 
-    clip_norm: float = 0.1
+    clip_norm: float = dataclasses.field(default=0.1, metadata=meaning(gt=0, why="the total gradient norm is clipped to it"))
     """Total gradient 2-norm is clipped to this."""
     force_finite: bool = True
     """Replace non-finite gradient entries by 0 before clipping."""
@@ -234,11 +235,11 @@ class TrainerConfig:
 
     distributed_parallelism: str = "fsdp"
     """Upstream's parallelism (FSDP2 over the ranks)."""
-    grad_accum_iter: int = 2
+    grad_accum_iter: int = dataclasses.field(default=2, metadata=meaning(ge=1))
     """Micro-batches per optimizer step."""
-    logging_iter: int = 1
+    logging_iter: int = dataclasses.field(default=1, metadata=meaning(ge=1))
     """Upstream's logging interval."""
-    max_iter: int = 500
+    max_iter: int = dataclasses.field(default=500, metadata=meaning(ge=0))
     """Optimizer steps to train up to."""
     callbacks: CallbacksConfig = _table(CallbacksConfig)
     """``[trainer.callbacks.*]``."""
@@ -253,7 +254,7 @@ class CheckpointConfig:
     """Key substrings not loaded from the base checkpoint."""
     load_path: str = ""
     """Base checkpoint (diffusers directory or an onecard ``iter_*.pt``); empty: random init."""
-    save_iter: int = 100
+    save_iter: int = dataclasses.field(default=100, metadata=meaning(ge=1))
     """A checkpoint every this many optimizer steps (and at the end)."""
 
 
@@ -261,9 +262,9 @@ class CheckpointConfig:
 class DataloaderConfig:
     """``[dataloader_train]``: packing."""
 
-    max_sequence_length: int = 45056
+    max_sequence_length: int = dataclasses.field(default=45056, metadata=meaning(ge=1))
     """Token cap of one packed micro-batch (the strict fit rule)."""
-    max_caption_tokens: int = 2048
+    max_caption_tokens: int = dataclasses.field(default=2048, metadata=meaning(ge=0))
     """Captions are truncated to this many tokens."""
 
 
@@ -274,17 +275,17 @@ class OnecardConfig:
 
     preset: str = "auto"
     """``edge``, ``tiny``, or ``auto`` (edge on a GPU, tiny without one)."""
-    loss_scale: float = 10.0
+    loss_scale: float = dataclasses.field(default=10.0, metadata=meaning(gt=0, why="the flow-matching loss scale"))
     """Upstream flow-matching loss scale."""
-    seed: int = 0
+    seed: int = dataclasses.field(default=0, metadata=meaning(ge=0, why="a seed is a non-negative 63-bit integer"))
     """Seed of the init, the data order and the noise."""
-    cfg_dropout: float = 0.1
+    cfg_dropout: float = dataclasses.field(default=0.1, metadata=meaning(ge=0, le=1, why="a probability"))
     """Caption dropout probability (classifier-free guidance)."""
-    cpu_max_iter: int = 0
+    cpu_max_iter: int = dataclasses.field(default=0, metadata=meaning(ge=0))
     """CPU smoke (tiny preset, no GPU): > 0 replaces ``[trainer].max_iter``, and the run says so."""
-    cpu_grad_accum_iter: int = 0
+    cpu_grad_accum_iter: int = dataclasses.field(default=0, metadata=meaning(ge=0))
     """CPU smoke: > 0 replaces ``[trainer].grad_accum_iter``."""
-    cpu_max_sequence_length: int = 0
+    cpu_max_sequence_length: int = dataclasses.field(default=0, metadata=meaning(ge=0))
     """CPU smoke: > 0 replaces ``[dataloader_train].max_sequence_length``."""
     attention: Literal["dense", "flex"] = "dense"
     """Packed attention of the embedded trainer. ``dense``: boolean [L, L] segment masks with
@@ -298,7 +299,7 @@ class OnecardConfig:
     (which sets ``[model.compile] enabled = true``) runs the eager reference; the 24 GB recipes turn it on
     (proofs: tests/equivalence/test_compile_blocks.py, on the CPU and on a GPU). Upstream's trainer reads only
     ``[model.compile]``."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = dataclasses.field(default=2, metadata=meaning(ge=0))
     """Checkpoints kept in ``<run dir>/checkpoints`` after each save, the new one included (0: all). Each edge-preset
     checkpoint holds ``net``, an fp32 ``net_ema`` and the AdamW state (tens of GB), so the default keeps the newest and
     one to fall back to; older ones are deleted only after the new one is complete."""
@@ -391,6 +392,12 @@ def from_dict(data: Mapping[str, Any], source: Path | None = None) -> SFTConfig:
         raise ConfigError(f"{where}: keys outside any table: {loose}; put them in a [table]")
     _check_tables(data, SFTConfig, where)
     cfg = from_mapping(SFTConfig, _resolve_env(data), where)
+    if len(cfg.optimizer.betas) != 2:
+        raise ConfigError(f"{where}: [optimizer].betas = {cfg.optimizer.betas!r} must hold two numbers (beta1, beta2)")
+    sc = cfg.scheduler
+    for key in ("cycle_lengths", "f_max", "f_min", "f_start", "warm_up_steps"):
+        if not getattr(sc, key):
+            raise ConfigError(f"{where}: [scheduler].{key} is empty: give one value per cycle (the first cycle is used)")
     par = cfg.model.parallelism
     for key in _NOT_UPSTREAM:
         if getattr(par, key) not in DTYPES:

@@ -162,7 +162,9 @@ def cosmos_ledger(
     title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {grad_accum_iter or cfg.trainer.grad_accum_iter}, "
              f"EMA {'on' if ema_on else 'off'}, {levers}, {world_size} rank(s), {device_type}, "
              f"master {dt}" + (" (compute bf16)" if mixed else ""))
-    return Ledger(title, items, outside)
+    # one checkpoint file: full net (stored dtype), net_ema fp32 for every net key, AdamW moments of the trainable subset
+    ckpt = c["all"] * mb + c["buffers"] + (c["all"] * 4 if ema_on else 0) + c["train"] * 2 * mb + c["train_tensors"] * 8
+    return Ledger(title, items, outside, checkpoint_bytes=ckpt)
 
 
 def what_closes_the_gap(
@@ -185,7 +187,7 @@ def what_closes_the_gap(
         cap -= 1024
         if cosmos_ledger(cfg, preset_name, both, world_size, cap=cap).fits(budget):
             return (f"to fit: set both levers and lower [dataloader_train].max_sequence_length to {cap}, then raise "
-                    f"grad_accum_iter to what `python -m cosmos_framework_ext.levers.packing --cap {cap} ...` prints")
+                    f"grad_accum_iter to what `python -m cosmos_framework_ext.recipe.plan --cap {cap} ...` prints")
     return "no lever or cap makes this fit: the static components alone exceed the budget; use a larger card"
 
 

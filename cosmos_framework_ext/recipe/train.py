@@ -275,6 +275,8 @@ class CosmosSFT(skeleton.Recipe):
     """
 
     unit = "iteration"
+    recipe_name = "cosmos3-edge"
+    checkpoint_keys = ("model", "optimizer", "scheduler", "iteration", "micro_batches_consumed")
     more_hint = "pass --max-iter N (N > that) to train further"
     adjustable_settings = frozenset({"[trainer].max_iter", "[checkpoint].save_iter"})
 
@@ -456,6 +458,7 @@ class CosmosSFT(skeleton.Recipe):
         source = datamod.SampleSource(self.records, self.tokenizer, self.preset,
                                       max_caption_tokens=cfg.dataloader_train.max_caption_tokens,
                                       seed=seed, cfg_dropout=cfg.onecard.cfg_dropout)
+        packing.check_some_sample_fits(source, self.cap)
         self.loader = packing.PackingLoader(source, cap=self.cap, rank=self.rank, world_size=self.world, seed=seed)
         self.captions_truncated = source.truncated_captions()
         if self.captions_truncated and self.main_rank:
@@ -662,6 +665,11 @@ class CosmosSFT(skeleton.Recipe):
               f"({len(self.records)} rows); cap {self.cap}, grad_accum_iter {self.ga}")
         print(f"onecard: attention {self.cfg.onecard.attention} ([onecard].attention); blocks {self.compile_note}")
 
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint file: net, fp32 net_ema and the AdamW moments (the ledger's estimate, after preflight)."""
+        ledger = getattr(self, "ledger", None)
+        return ledger.checkpoint_bytes if ledger is not None else 0
+
     def save_due(self, done: int) -> bool:
         return not self.args.no_save and (done % self.cfg.checkpoint.save_iter == 0 or done == self.max_steps)
 
@@ -707,6 +715,8 @@ class CosmosSFT(skeleton.Recipe):
         self.peak_rss = max(self.peak_rss, host_rss())
         peak_gib = torch.cuda.max_memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
         ema_beta = f"{self.ema.last_beta:.4f}" if self.ema is not None else "off"
+        self.log_metrics(self.done, loss=loss_sum, lr=self.last_lr, grad_norm=float(self.last_grad_norm),
+                         step_s=seconds, samples_per_s=n_samples / seconds if seconds > 0 else None)
         return StepResult(loss=loss_sum, samples=n_samples, seconds=seconds,
                           postfix={"peak_gib": f"{peak_gib:.2f}", "ema_beta": ema_beta})
 
@@ -751,7 +761,8 @@ class CosmosSFT(skeleton.Recipe):
         wait = self.ema.synchronize() if self.ema is not None else 0.0
         gc = self.cfg.trainer.callbacks.grad_clip
         with self.mem.phase("optimizer"):
-            grad_clip(self.params, gc.clip_norm, gc.force_finite)
+            self.last_grad_norm = grad_clip(self.params, gc.clip_norm, gc.force_finite)
+            self.last_lr = self.opt.param_groups[0]["lr"]  # the lr this step used
             self.opt.step()
             self.sched.step()
         if self.ema is not None:
@@ -779,7 +790,7 @@ class CosmosSFT(skeleton.Recipe):
         # host RSS read after each step misses the peak inside it; the sampler's 0.5 s samples catch most of it
         peak_rss = max(self.peak_rss, mem_peaks.get("host_rss_bytes") or 0)
         return run_summary(
-            recipe="cosmos3-edge", preset=self.preset.name, device=self.device, world_size=self.world,
+            recipe=self.recipe_name, preset=self.preset.name, device=self.device, world_size=self.world,
             unit=self.unit, steps=self.max_steps - start, optimizer_steps_total=self.max_steps, resumed_from=start,
             reached=self.max_steps, losses=[r.loss for r in results],
             s_per_step_median=median(step_times[1:] or step_times), peak_host_rss_gib=peak_rss / GiB,

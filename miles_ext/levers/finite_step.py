@@ -85,6 +85,7 @@ class NonFiniteGuard:
         """
         bad_losses = sum(1 for v in micro_losses if not math.isfinite(v))
         norm = float(grad_norm) if grad_norm is not None else 0.0
+        self.last_grad_norm = norm
         local_bad = bad_losses > 0 or not math.isfinite(norm)
         device = grad_norm.device if isinstance(grad_norm, torch.Tensor) else torch.device("cpu")
         any_bad = _all_ranks_any(local_bad, device)

@@ -98,6 +98,9 @@ def encode_pairs(preset, device: torch.device, data_dir: Path | None, cache_dir:
     store = LatentStore(cache_dir, "pass --cache-dir (or set ONECARD_LATENT_CACHE) to another folder")
     encoder = PairEncoder(preset, device, text_random)
     pairs, hits, misses, corrupt, t_enc = [], 0, 0, 0, 0.0
+    if progress:
+        print(f"onecard: {len(records)} clips and captions: each read from the latent cache {store.root}, or "
+              "encoded once and stored there", flush=True)
     bar = tqdm(total=len(records), desc="H3 clips (load or encode)", unit="clip", disable=not progress,
                file=sys.stderr, dynamic_ncols=True, leave=False)
     with bar:

@@ -52,7 +52,7 @@ import torch
 from miles_ext.levers.finite_step import NonFiniteGuard, require_finite
 from patches.core import preflight as pf
 from patches.core.checkpoint import CheckpointManager
-from patches.core.config import add_arguments, from_namespace
+from patches.core.config import DEFAULT_MEANING, add_arguments, check_meaning, from_namespace, meaning
 from patches.core.errors import UserError, cli
 from patches.core.flags import is_whole_number
 from miles_ext.levers.host_checkpoint import host_full_state, load_host_state
@@ -85,31 +85,31 @@ class H3SFTConfig:
 
     preset: str = dataclasses.field(default="auto", metadata={"choices": ["auto", "tiny", "full"]})
     """H3 model preset: auto picks full on a GPU and tiny without one."""
-    rollout_batch_size: int = 32
+    rollout_batch_size: int = dataclasses.field(default=32, metadata=meaning(ge=1))
     """Prompts per rollout (upstream --rollout-batch-size)."""
-    n_samples_per_prompt: int = 1
+    n_samples_per_prompt: int = dataclasses.field(default=1, metadata=meaning(ge=1))
     """Samples per prompt (upstream --n-samples-per-prompt)."""
-    num_steps_per_rollout: int = 4
+    num_steps_per_rollout: int = dataclasses.field(default=4, metadata=meaning(ge=1))
     """Optimizer steps per rollout; the global batch is rollout samples / this."""
-    global_batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = dataclasses.field(default=None, metadata=meaning(ge=1))
     """Samples per optimizer step; must agree with the rollout split when given."""
-    micro_batch_size: int = 1
+    micro_batch_size: int = dataclasses.field(default=1, metadata=meaning(ge=1))
     """Pairs per micro-batch (per source rank)."""
-    from_gpus: int = 8
+    from_gpus: int = dataclasses.field(default=8, metadata=meaning(ge=1, why="a GPU count"))
     """The source recipe's GPU count, whose schedule and draws one GPU replays."""
-    num_rollout: int = 1
+    num_rollout: int = dataclasses.field(default=1, metadata=meaning(ge=1, why="train at least one rollout"))
     """Rollouts to train up to (a resumed run continues to this count)."""
-    lora_rank: int = 64
+    lora_rank: int = dataclasses.field(default=64, metadata=meaning(ge=1, why="the recipe's is 64"))
     """LoRA rank r."""
-    lora_alpha: float = 128
+    lora_alpha: float = dataclasses.field(default=128, metadata=meaning(gt=0))
     """LoRA alpha (the adapter output is scaled by alpha / r)."""
     lora_target_modules: Optional[list[str]] = None
     """PEFT target module names; default: the H3 targets."""
-    lr: float = 1e-4
+    lr: float = dataclasses.field(default=1e-4, metadata=meaning(gt=0, why="the AdamW learning rate"))
     """AdamW learning rate."""
-    clip_grad: float = 1.0
+    clip_grad: float = dataclasses.field(default=1.0, metadata=meaning(gt=0, why="the global gradient-norm clip"))
     """Global gradient-norm clip."""
-    max_nonfinite_skips_in_a_row: int = 100
+    max_nonfinite_skips_in_a_row: int = dataclasses.field(default=100, metadata=meaning(ge=0, why="0 never stops"))
     """A step with a non-finite loss or gradient is skipped (logged, counted in the summary); stop the run after
     this many skipped steps in a row (0: never stop)."""
     fsdp_master_dtype: str = "bf16"
@@ -128,26 +128,26 @@ class H3SFTConfig:
     blocks (its _no_split_modules: transformer, token-refiner and output-norm blocks) kept on the GPU, with the LoRA
     adapters, their gradients and AdamW state; the other blocks stream from the host with prefetch. auto: the largest
     N the memory model fits in --gpu-budget-gib (printed with its terms); none or unset: every block streams."""
-    gpu_budget_gib: Optional[float] = None
+    gpu_budget_gib: Optional[float] = dataclasses.field(default=None, metadata=meaning(gt=0, why="GiB of GPU memory"))
     """GPU memory in GiB that --fsdp-resident-blocks auto fills; default: $ONECARD_GPU_MEMORY_GIB, else the card's total
     memory."""
     deterministic_mode: bool = False
     """Deterministic algorithms (errors, not warnings), cuDNN flags, cuBLAS workspace."""
     text_encoder_random_weights: bool = False
     """MiniLM from its config with random weights (when its weights cannot travel)."""
-    seed: int = 1234
+    seed: int = dataclasses.field(default=1234, metadata=meaning(ge=0, why="a seed is a non-negative 63-bit integer"))
     """Run seed: model init, data order and the draws' seed identity."""
     data_dir: str = ""
     """DATASET_PATH layout; default: the sample dataset."""
     cache_dir: str = ""
     """The clip/caption encode cache (the shared latent store); default: $ONECARD_LATENT_CACHE, else
     $ONECARD_DATA_CACHE/latents (~/.cache/onecard/latents)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = dataclasses.field(default=3, metadata=meaning(ge=0, why="0 keeps every checkpoint"))
     """Checkpoints kept in <output-dir>/checkpoints after each rollout's save, the new one included (0: all; about 4 GB
     each at 33 B); older ones are deleted only after the new one is complete."""
     output_dir: str = "outputs/h3_sft"
     """Run folder: summary.json and checkpoints/."""
-    master_port: Optional[int] = None
+    master_port: Optional[int] = dataclasses.field(default=None, metadata=meaning(ge=1, le=65535, why="a TCP port"))
     """Rendezvous port of the one-rank process group; default: $MASTER_PORT, else a free port."""
     validate_only: bool = False
     """Check every input (batch, LoRA, port, output folder, dataset rows and videos, the settings of the checkpoint
@@ -212,6 +212,8 @@ class H3SFTRecipe(Recipe):
     """
 
     unit = "rollout"
+    recipe_name = "minimax-h3"
+    checkpoint_keys = ("lora", "lora_meta", "optimizer", "rollout")
     more_hint = "raise --num-rollout to train further"
     adjustable_settings = frozenset({"--num-rollout"})
 
@@ -238,14 +240,10 @@ class H3SFTRecipe(Recipe):
             UserError: one line naming the bad input; nothing has been encoded or written.
         """
         cfg = self.cfg
-        pf.check_at_least(cfg.num_rollout, 1, "--num-rollout", "train at least one rollout")
-        pf.check_at_least(cfg.lora_rank, 1, "--lora-rank", "the recipe's is 64")
-        for flag, value in (("--lora-alpha", cfg.lora_alpha), ("--lr", cfg.lr), ("--clip-grad", cfg.clip_grad)):
-            if not (math.isfinite(value) and value > 0):
-                raise UserError(f"{flag} = {value} must be a finite number > 0")
-        pf.check_at_least(cfg.seed, 0, "--seed")
-        pf.check_at_least(cfg.max_nonfinite_skips_in_a_row, 0, "--max-nonfinite-skips-in-a-row", "0 never stops")
-        pf.check_at_least(cfg.keep_checkpoints, 0, "--keep-checkpoints", "0 keeps every checkpoint")
+        for f in dataclasses.fields(H3SFTConfig):  # every number by its meaning (also when built without the CLI)
+            value = getattr(cfg, f.name)
+            if value is not None:
+                check_meaning(value, f.metadata.get("meaning", DEFAULT_MEANING), "--" + f.name.replace("_", "-"))
         self.checkpoints.keep = cfg.keep_checkpoints
         self._check_batch()
         self._pick_device()
@@ -301,8 +299,6 @@ class H3SFTRecipe(Recipe):
             if self.resident_value != "auto":
                 raise UserError(f"--gpu-budget-gib {budget} is the budget --fsdp-resident-blocks auto fills: add "
                                 "--fsdp-resident-blocks auto, or drop --gpu-budget-gib")
-            if not (math.isfinite(budget) and budget > 0):
-                raise UserError(f"--gpu-budget-gib {budget} must be a finite number > 0 (GiB of GPU memory)")
             if self.device.type == "cuda":
                 card = gpu_budget_bytes(self.device)
                 if budget * GiB > card:
@@ -335,10 +331,19 @@ class H3SFTRecipe(Recipe):
         from miles_ext.levers.lora import matched_target_modules
         from miles_ext.recipe.presets import build_transformer
 
-        if not matched_target_modules(build_transformer(self.preset, device="meta"), self.target_modules):
+        model = build_transformer(self.preset, device="meta")
+        names = matched_target_modules(model, self.target_modules)
+        if not names:
             raise UserError(f"LoRA target_modules {self.target_modules} match no nn.Linear of the H3 transformer; "
                             "pass names (or '.'-suffixes) of its linear layers, e.g. attn.to_q, or leave "
                             "--lora-target-modules unset for the H3 defaults")
+        modules = dict(model.named_modules())
+        adapters = sum(self.cfg.lora_rank * (modules[n].in_features + modules[n].out_features) for n in names)
+        self._checkpoint_bytes = adapters * 4 * 3 + len(names) * 2 * 64  # fp32 LoRA + AdamW exp_avg, exp_avg_sq
+
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint: the fp32 LoRA tensors and their two AdamW moments (known after :meth:`preflight`)."""
+        return getattr(self, "_checkpoint_bytes", 0)
 
     def _check_dataset(self) -> None:
         """``--data-dir`` (the launcher's ``DATASET_PATH``) or the sample dataset: every row and every video."""
@@ -590,6 +595,10 @@ class H3SFTRecipe(Recipe):
         self._record_buckets(slots, per_micro, rollout_pairs)
         rss = host_rss()
         self.peak_rss = max(self.peak_rss, rss)
+        n_pairs = sum(len(sl.pairs) for sl in slots)
+        self.log_metrics(rollout * steps + s + 1, loss=self.losses[-1], lr=self.opt.param_groups[0]["lr"],
+                         grad_norm=getattr(self.guard, "last_grad_norm", None), step_s=self.step_times[-1],
+                         samples_per_s=n_pairs / self.step_times[-1] if self.step_times[-1] > 0 else None)
         _say(f"rollout {rollout} step {s + 1}/{steps}: loss {self.losses[-1]:.5f}, {self.step_times[-1]:.1f} s, "
              f"peak GPU {self._peak_gpu_gib():.2f} GiB, host RSS {rss / GiB:.1f} GiB"
              + (" (skipped: non-finite)" if self.guard.skipped_steps > skipped_before else ""))
@@ -620,7 +629,7 @@ class H3SFTRecipe(Recipe):
         cfg = self.cfg
         steps_per = cfg.num_steps_per_rollout
         return run_summary(
-            recipe="minimax-h3", preset=self.preset.name, device=self.device, world_size=1, unit=self.unit,
+            recipe=self.recipe_name, preset=self.preset.name, device=self.device, world_size=1, unit=self.unit,
             steps=len(self.step_times), optimizer_steps_total=self.max_steps * steps_per, resumed_from=start,
             reached=self.max_steps, losses=self.losses, s_per_step_median=median(self.step_times),
             peak_host_rss_gib=proc_status_kib(("VmHWM",))["VmHWM"] * 1024 / GiB, pinned_bytes=pinned_bytes_total(),
@@ -683,10 +692,9 @@ def run(cfg: H3SFTConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0, or 2 with one ``error:`` line on bad input (:func:`patches.core.errors.cli`)."""
-    cfg = parse_args(argv)
 
     def train() -> None:
-        run(cfg)
+        run(parse_args(argv))
 
     return cli(train)
 

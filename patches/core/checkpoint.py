@@ -94,11 +94,13 @@ class CheckpointManager:
         return found[-1][1] if found else None
 
     def load_latest(self, on_damaged: Callable[[str], None] | None = None,
+                    validate: Callable[[Any], str | None] | None = None,
                     **load_kw: Any) -> tuple[Path, dict[str, Any]] | None:
-        """Load the newest readable checkpoint: ``(path, state)``, or ``None`` when there is none.
+        """Load the newest readable checkpoint of this run: ``(path, state)``, or ``None`` when there is none.
 
-        A file that cannot be read (truncated, not a torch file) is reported and skipped for the next older
-        one: the one-line report goes to ``on_damaged`` (default: a ``UserWarning``). ``load_kw`` go to
+        A file that cannot be read (truncated, not a torch file), or that reads but is not a checkpoint of this run
+        (``validate(state)`` returns why: an empty dict, another recipe's file), is reported and skipped for the next
+        older one: the one-line report goes to ``on_damaged`` (default: a ``UserWarning``). ``load_kw`` go to
         ``torch.load`` (default ``map_location="cpu"``, ``weights_only=False``: the file is this run's own).
         """
         import torch
@@ -107,7 +109,11 @@ class CheckpointManager:
         found = self.all()
         for i, (_, path) in reversed(list(enumerate(found))):
             try:
-                return path, torch.load(path, **load_kw)
+                state = torch.load(path, **load_kw)
+                problem = validate(state) if validate is not None else None
+                if problem is not None:
+                    raise ValueError(f"not a checkpoint of this run: {problem}")
+                return path, state
             except Exception as e:  # noqa: BLE001 - any reader error means "damaged"
                 why = " ".join(f"{type(e).__name__}: {e}".split())[:160]
                 then = f"resuming from {found[i - 1][1].name} if it reads" if i else "no older one: starting anew"

@@ -9,6 +9,12 @@ This module gives them three things:
 - :func:`field_docs` reads the field docstrings (for ``--help`` and error messages);
 - :func:`add_arguments` / :func:`from_namespace` turn a flat dataclass into ``argparse`` flags and back
   (``lora_rank`` <-> ``--lora-rank``), so a command line and its config are one definition.
+
+Numbers are checked for what they mean, not only for their type, in both directions (TOML and flags): every float
+must be finite and every integer must fit a signed 64-bit integer (what torch and the OS take), unless a field's
+:func:`meaning` says otherwise; a field's ``metadata["meaning"]`` (:class:`Meaning`) adds its range (``lr > 0``,
+``0 <= beta < 1``, ``0 <= cfg_dropout <= 1``...). A value outside is one :class:`ConfigError` naming the key or flag,
+the value, the range and the fix.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -29,8 +36,66 @@ T = TypeVar("T")
 
 
 class ConfigError(UserError):
-    """A config is unreadable, has an unknown table or key, or a value of the wrong type."""
+    """A config is unreadable, has an unknown table or key, or a value of the wrong type or meaning."""
 
+
+@dataclasses.dataclass(frozen=True)
+class Meaning:
+    """What a numeric field (or each element of a numeric list) may be.
+
+    ``gt``/``ge``/``lt``/``le``: exclusive / inclusive bounds (``None``: none). ``finite``: a float must be finite
+    (no NaN, no infinity). ``bits``: an integer must satisfy ``-2**(bits-1) <= v < 2**(bits-1)``. ``allowed``: values
+    accepted outside the bounds (``-1`` for "all ranks"). ``why``: what the field is, for the message.
+    """
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+    finite: bool = True
+    bits: int = 64
+    allowed: tuple[Any, ...] = ()
+    why: str = ""
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` is refused (``None`` when it is accepted)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None  # types are _check's
+        if value in self.allowed:
+            return None
+        if isinstance(value, float) and self.finite and not math.isfinite(value):
+            return "must be a finite number"
+        if isinstance(value, int) and not -(1 << (self.bits - 1)) <= value < (1 << (self.bits - 1)):
+            return f"does not fit a {self.bits}-bit signed integer"
+        bounds = [(self.gt, ">", lambda v, b: v > b), (self.ge, ">=", lambda v, b: v >= b),
+                  (self.lt, "<", lambda v, b: v < b), (self.le, "<=", lambda v, b: v <= b)]
+        if any(b is not None and not ok(value, b) for b, _, ok in bounds):  # `not` also refuses NaN
+            want = " and ".join(f"{op} {b:g}" for b, op, _ in bounds if b is not None)
+            extra = f" (or {', '.join(map(str, self.allowed))})" if self.allowed else ""
+            return f"must be {want}{extra}"
+        return None
+
+
+def meaning(**kw: Any) -> dict[str, Meaning]:
+    """``dataclasses.field(metadata=meaning(gt=0, why="the learning rate"))``: the field's :class:`Meaning`."""
+    return {"meaning": Meaning(**kw)}
+
+
+DEFAULT_MEANING = Meaning()
+"""A float must be finite, an integer must fit 64 bits: what every numeric field means at least."""
+
+
+def check_meaning(value: Any, m: Meaning, where: str) -> None:
+    """Check ``value`` (a number or a list of numbers) against ``m``.
+
+    Raises:
+        ConfigError: one line: ``<where> = <value> <problem>[ (<why>)]``.
+    """
+    for v in (value if isinstance(value, (list, tuple)) else [value]):
+        why = m.problem(v)
+        if why is not None:
+            shown = repr(value) if not isinstance(value, (list, tuple)) else f"{list(value)!r}: element {v!r}"
+            raise ConfigError(f"{where} = {shown} {why}" + (f" ({m.why})" if m.why else "") + ": fix the value")
 
 @functools.lru_cache(maxsize=None)
 def field_docs(cls: type) -> dict[str, str]:
@@ -131,7 +196,9 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str = "config", t
         else:
             if isinstance(value, Mapping):
                 raise ConfigError(f"{where}: [{path}] is not a table; {name} is a key of {label}")
-            kwargs[name] = _check(value, tp, f"{where}: [{table}].{name}" if table else f"{where}: {name}")
+            key = f"{where}: [{table}].{name}" if table else f"{where}: {name}"
+            kwargs[name] = _check(value, tp, key)
+            check_meaning(kwargs[name], fields[name].metadata.get("meaning", DEFAULT_MEANING), key)
     return cls(**kwargs)
 
 
@@ -170,5 +237,14 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
-    """Build the flat dataclass ``cls`` from an ``argparse`` namespace made by :func:`add_arguments`."""
+    """Build the flat dataclass ``cls`` from an ``argparse`` namespace made by :func:`add_arguments`, every numeric
+    value checked for its meaning (:func:`check_meaning`).
+
+    Raises:
+        ConfigError: a value outside its field's :class:`Meaning` (names the flag).
+    """
+    for f in dataclasses.fields(cls):
+        value = getattr(ns, f.name)
+        if value is not None:
+            check_meaning(value, f.metadata.get("meaning", DEFAULT_MEANING), "--" + f.name.replace("_", "-"))
     return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})

@@ -44,6 +44,9 @@ class Ledger:
     items: list[Item]
     outside: list[Item] = dataclasses.field(default_factory=list)
     slack: float = 0.10
+    checkpoint_bytes: int = 0
+    """Bytes of one checkpoint file of this run on disk (0: not estimated); the pre-flight checks the free space
+    of the output folder against it."""
 
     @property
     def gpu_allocated(self) -> int:

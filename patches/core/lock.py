@@ -3,7 +3,9 @@
 :func:`hold_run_lock` creates ``<run dir>/.onecard.lock`` exclusively (``O_CREAT | O_EXCL``) holding
 ``{"pid": ..., "host": ...}``. A second run into the same folder stops with one :class:`RunLocked` error
 naming the lock file and the process holding it. A lock left by a process that no longer exists on this
-host (killed, crashed) is stale: it is taken over, and the run says so.
+host (killed, crashed) is stale: it is taken over, and the run says so. So is a lock file that is empty or
+unreadable and older than :data:`EMPTY_GRACE_S` (its holder died between creating and writing it; a live holder
+writes it right after creating it).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -19,6 +22,9 @@ from .errors import UserError
 
 LOCK_NAME = ".onecard.lock"
 """File name of the lock inside a run folder."""
+
+EMPTY_GRACE_S = 10.0
+"""Age in seconds after which an empty or unreadable lock file is stale (its writer had that long to write it)."""
 
 
 class RunLocked(UserError):
@@ -75,10 +81,21 @@ def _hold(path: Path) -> Iterator[Path]:
         if _try_create(path):
             break
         try:
-            holder = json.loads(path.read_text() or "{}")
+            holder = json.loads(path.read_text() or "null")
+            age = time.time() - path.stat().st_mtime
+        except FileNotFoundError:
+            continue  # its holder just let it go
         except (OSError, ValueError):
-            holder = {}
-        pid, host = int(holder.get("pid", -1)), holder.get("host", "?")
+            holder, age = None, time.time() - path.stat().st_mtime
+        if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+            if age >= EMPTY_GRACE_S:
+                print(f"onecard: removing stale lock {path} (empty or unreadable for {age:.0f} s: its holder died "
+                      "while creating it)", flush=True)
+                path.unlink(missing_ok=True)
+                continue
+            raise RunLocked(f"{path.parent} is being locked by another run right now (lock {path} was created "
+                            f"{age:.1f} s ago and is not written yet): wait a few seconds and try again")
+        pid, host = holder["pid"], str(holder.get("host", "?"))
         if host == socket.gethostname() and pid > 0 and not _alive(pid):
             print(f"onecard: removing stale lock {path} (process {pid} no longer exists)", flush=True)
             path.unlink(missing_ok=True)

@@ -15,9 +15,10 @@ function here:
 3. :func:`resume` -- the newest readable checkpoint of :attr:`Recipe.checkpoints`, if any, goes to
    ``recipe.load_state_dict``; otherwise ``recipe.warm_start()``. Temporary files a killed save left and a
    damaged newest checkpoint (skipped for the one before it) are each reported in one line.
-4. :func:`loop` -- ``recipe.train_step(step)`` for every step left, a progress bar, and a checkpoint
+4. :func:`loop` -- ``recipe.train_step(step)`` for every step left, a progress bar, per-step metrics in TensorBoard
+   event files (:class:`patches.core.metrics.MetricsLog`, fed by ``recipe.log_metrics``), and a checkpoint
    (``recipe.state_dict()`` on every rank, written by rank 0, with ``recipe.training_settings()``) wherever
-   ``recipe.save_due(done)`` says.
+   ``recipe.save_due(done)`` says; the free space for those checkpoints is checked in step 0.
 5. :func:`finish` -- ``recipe.summary(...)``, written atomically as ``<run dir>/summary.json``.
 
 Anything a recipe registers on ``stack`` (a background sampler, a worker thread) is closed whether the
@@ -38,8 +39,12 @@ from typing import Any
 
 from . import settings as settingsmod
 from .checkpoint import CheckpointManager
+from .errors import UserError
 from .io import atomic_write_json
 from .lock import hold_run_lock
+
+RECIPE_KEY = "onecard_recipe"
+"""Checkpoint key naming the recipe that wrote it (:attr:`Recipe.recipe_name`)."""
 
 
 @dataclasses.dataclass
@@ -121,6 +126,47 @@ class Recipe(abc.ABC):
     def summary(self, start: int, results: list[StepResult], checkpoint: Path | None) -> dict[str, Any]:
         """The run's summary (JSON-serialisable)."""
 
+    recipe_name: str = "recipe"
+    """The recipe's name in its checkpoints (``cosmos3-edge``, ``minimax-h3``): a file of another recipe is refused."""
+    checkpoint_keys: tuple[str, ...] = ()
+    """The keys every checkpoint of this recipe holds (besides the skeleton's own)."""
+
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one checkpoint file on disk, estimated after :meth:`preflight` (0: unknown, no space check)."""
+        return 0
+
+    def checkpoint_problem(self, state: Any) -> str | None:
+        """Why ``state`` is not a checkpoint of this recipe (``None`` when it is): not a dict, another recipe's
+        (its ``onecard_recipe`` tag), or without one of :attr:`checkpoint_keys`."""
+        if not isinstance(state, dict):
+            return f"it holds a {type(state).__name__}, not a checkpoint dict"
+        tag = state.get(RECIPE_KEY)
+        if tag is not None and tag != self.recipe_name:
+            return f"it is a {tag} checkpoint, this run is {self.recipe_name}"
+        missing = [k for k in self.checkpoint_keys if k not in state]
+        if missing:
+            return f"it lacks {missing}"
+        return None
+
+    metrics: Any = None
+    """The run's :class:`patches.core.metrics.MetricsLog` while it trains (set by :func:`loop`)."""
+
+    def log_metrics(self, step: int, **scalars: float | None) -> None:
+        """Write this optimizer step's scalars (``loss``, ``lr``, ``grad_norm``, ``step_s``, ``samples_per_s``; the
+        GPU peaks and host RSS are added here) to TensorBoard (and wandb); rank 0 only, nothing before the loop."""
+        if self.metrics is None:
+            return
+        from .runtime import GiB, host_rss
+
+        device = getattr(self, "device", None)
+        if getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            scalars.setdefault("gpu_allocated_gib", torch.cuda.max_memory_allocated(device) / GiB)
+            scalars.setdefault("gpu_reserved_gib", torch.cuda.max_memory_reserved(device) / GiB)
+        scalars.setdefault("host_rss_gib", host_rss() / GiB)
+        self.metrics.log(step, scalars)
+
     def on_resume(self, path: Path, step: int) -> None:
         """Say where the run resumes from (rank 0)."""
         if self.main_rank:
@@ -138,11 +184,61 @@ def preflight(recipe: Recipe) -> None:
             something else than the run it continues.
     """
     recipe.preflight()
-    found = recipe.checkpoints.load_latest(on_damaged=lambda _msg: None, mmap=True)
+    found = recipe.checkpoints.load_latest(on_damaged=lambda _msg: None, validate=recipe.checkpoint_problem, mmap=True)
+    start = 0
     if found is not None:
         path, state = found
         settingsmod.compare(state.get(settingsmod.KEY), recipe.training_settings(),
                             adjustable=recipe.adjustable_settings, checkpoint=str(path))
+        start = next((step for step, p in recipe.checkpoints.all() if p == path), 0)
+    check_checkpoint_space(recipe, start)
+
+
+def checkpoint_space_needed(size: int, existing: int, saves: int, keep: int) -> int:
+    """Bytes the checkpoint folder must still take for ``saves`` more saves of ``size`` bytes each, with ``existing``
+    checkpoints there and retention ``keep`` (0: all): the most files at once beyond the existing ones, a new file
+    being complete before the oldest beyond ``keep`` is deleted (:meth:`CheckpointManager.prune`)."""
+    if saves <= 0 or size <= 0:
+        return 0
+    if keep <= 0:
+        return saves * size
+    peak = max(existing, min(existing + saves - 1, keep)) + 1  # files at once while the last new one is written
+    return max(0, peak - existing) * size
+
+
+def check_checkpoint_space(recipe: Recipe, start: int) -> None:
+    """The output folder can take this run's checkpoints (:func:`checkpoint_space_needed`), before anything trains.
+
+    Raises:
+        UserError: the free space of the checkpoint folder's file system is below the need (names both, and the fix).
+    """
+    import shutil
+
+    size = int(recipe.checkpoint_bytes() or 0)
+    if not size or not recipe.checkpoints.write:
+        return
+    saves = sum(1 for done in range(start + 1, recipe.max_steps + 1) if recipe.save_due(done))
+    need = checkpoint_space_needed(size, len(recipe.checkpoints.all()), saves, recipe.checkpoints.keep)
+    if not need:
+        return
+    where = recipe.checkpoints.dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < need:
+        gb = 1e9
+        raise UserError(f"the checkpoint folder {recipe.checkpoints.dir} has {free / gb:.1f} GB free, and this run's "
+                        f"checkpoints need {need / gb:.1f} GB ({saves} save(s) of {size / gb:.2f} GB, keeping "
+                        f"{recipe.checkpoints.keep or 'every'}): free space, keep fewer checkpoints, or point the "
+                        "output elsewhere")
+
+
+def _disk_full(e: BaseException) -> bool:
+    """Whether a failed write failed for space (``ENOSPC``, or torch's ``PytorchStreamWriter ... file write failed``)."""
+    import errno
+
+    text = str(e)
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or "file write failed" in text
 
 
 def build(recipe: Recipe, stack: contextlib.ExitStack) -> None:
@@ -168,7 +264,8 @@ def resume(recipe: Recipe) -> int:
     if stale:
         _report(recipe, f"removed {len(stale)} temporary file(s) a killed save left in {recipe.checkpoints.dir} "
                      f"({', '.join(p.name for p in stale[:3])})")
-    found = recipe.checkpoints.load_latest(on_damaged=lambda msg: _report(recipe, f"warning: {msg}"))
+    found = recipe.checkpoints.load_latest(on_damaged=lambda msg: _report(recipe, f"warning: {msg}"),
+                                           validate=recipe.checkpoint_problem)
     if found is None:
         recipe.warm_start()
         return 0
@@ -186,8 +283,11 @@ def loop(recipe: Recipe, start: int) -> tuple[list[StepResult], Path | None]:
     """Step 4: train ``start .. max_steps``; returns the step results and the last checkpoint written."""
     from tqdm import tqdm
 
+    from .metrics import MetricsLog
+
     results: list[StepResult] = []
     last: Path | None = None
+    recipe.metrics = MetricsLog(recipe.run_dir, enabled=recipe.main_rank, config=recipe.training_settings())
     bar = tqdm(total=recipe.max_steps, initial=start, disable=not recipe.main_rank, dynamic_ncols=True,
                file=sys.stdout, unit=recipe.unit)
     try:
@@ -202,10 +302,22 @@ def loop(recipe: Recipe, start: int) -> tuple[list[StepResult], Path | None]:
             if recipe.save_due(done):
                 state = recipe.state_dict()  # every rank: gathering a sharded state is collective
                 state[settingsmod.KEY] = recipe.training_settings()
-                saved = recipe.checkpoints.save(done, state)
+                state[RECIPE_KEY] = recipe.recipe_name
+                try:
+                    saved = recipe.checkpoints.save(done, state)
+                except (OSError, RuntimeError) as e:
+                    if not _disk_full(e):
+                        raise
+                    kept = recipe.checkpoints.latest()
+                    raise UserError(f"the disk is full: checkpoint {recipe.checkpoints.path(done)} could not be "
+                                    f"written ({' '.join(str(e).split())[:120]}); "
+                                    + (f"the previous checkpoint {kept} is intact" if kept else "no checkpoint was kept")
+                                    + ": free space and run the same command again to resume") from None
                 last = saved or last
     finally:
         bar.close()
+        recipe.metrics.close()
+        recipe.metrics = None
     return results, last
 
 

@@ -173,6 +173,114 @@ def test_random_init_equals_reference_in_any_order_and_placement(results):
     assert differs(results["bug_shared_generator"], want)  # planted: order-dependent stream
 
 
+
+def test_random_init_fill_is_the_constructors_own_init_on_the_same_generator():
+    """:meth:`RandomInit.fill` draws as the owner's own constructor does: for ``nn.Linear(5, 3)`` (fan_in 5 !=
+    fan_out 3) the weight then the bias filled from one generator equal ``nn.Linear``'s ``reset_parameters`` from
+    the global RNG seeded alike (``kaiming_uniform_(a=sqrt(5))``, bias ``U(-1/sqrt(5), 1/sqrt(5))``), bitwise; norm
+    weights are ones and biases zeros as a fresh ``LayerNorm`` / ``RMSNorm`` holds them; another parameter is
+    refused by name."""
+    import math
+
+    src = RandomInit(SEED, draw_device="cpu")
+    torch.manual_seed(123)
+    ref = nn.Linear(5, 3)
+    g = torch.Generator("cpu").manual_seed(123)
+    w, b = torch.empty(3, 5), torch.empty(3)
+    src.fill("x.weight", ref, "weight", w, g)
+    src.fill("x.bias", ref, "bias", b, g)
+    assert torch.equal(w, ref.weight) and torch.equal(b, ref.bias)
+    g = torch.Generator("cpu").manual_seed(5)
+    want = torch.empty(3, 5)
+    nn.init.kaiming_uniform_(want, a=math.sqrt(5), generator=torch.Generator("cpu").manual_seed(5))
+    src.fill("x.weight", ref, "weight", w, g)
+    assert torch.equal(w, want)
+    for norm in (nn.LayerNorm(4), nn.RMSNorm(4)):
+        for attr, stock in norm.named_parameters():
+            got = torch.full((4,), 7.0)
+            src.fill(f"n.{attr}", norm, attr, got, torch.Generator("cpu").manual_seed(0))
+            assert torch.equal(got, stock.detach()), (type(norm).__name__, attr)
+    with pytest.raises(ValueError, match="emb.weight: no seeded initialiser for Embedding.weight"):
+        src.fill("emb.weight", nn.Embedding(3, 2), "weight", torch.empty(3, 2), torch.Generator("cpu"))
+
+
+def test_random_init_seeds_each_parameter_by_name():
+    """Each parameter's generator is seeded ``stable_hash("h3-init", seed, name)`` (the module docstring): draws equal
+    a generator seeded so by hand, and differ between two names and between two run seeds."""
+    from patches.core.runtime import stable_hash
+
+    cpu = torch.device("cpu")
+
+    def draw(gen):
+        return torch.rand(8, generator=gen)
+
+    q, k = "blocks.0.attn.to_q.weight", "blocks.0.attn.to_k.weight"
+    src = RandomInit(SEED, draw_device="cpu")
+    assert torch.equal(draw(src.generator(q, cpu)),
+                       draw(torch.Generator("cpu").manual_seed(stable_hash("h3-init", SEED, q))))
+    assert not torch.equal(draw(src.generator(q, cpu)), draw(src.generator(k, cpu)))
+    assert not torch.equal(draw(src.generator(q, cpu)), draw(RandomInit(SEED + 1).generator(q, cpu)))
+
+
+@pytest.mark.parametrize("rows, world", [(5, 2), (5, 4), (7, 3), (4, 4), (3, 1)])
+def test_shard_rows_follow_torch_chunk(rows, world):
+    """A rank's (full shape, first row, rows) are those of its piece of ``torch.chunk(full, world)`` along dim 0
+    (FSDP2's sharding): pieces of ceil(rows / world) rows, a rank past the last piece holding 0 rows at the end."""
+    from types import SimpleNamespace
+
+    from miles_ext.levers.fast_init import _shard_rows
+
+    full = torch.arange(rows * 2).view(rows, 2)
+    pieces = list(torch.chunk(full, world))
+    start = 0
+    for rank in range(world):
+        piece = pieces[rank] if rank < len(pieces) else full[rows:]
+        fp = SimpleNamespace(_orig_size=torch.Size(full.shape), sharded_param=SimpleNamespace(_local_tensor=piece),
+                             mesh_info=SimpleNamespace(shard_mesh_size=world, shard_mesh_rank=rank))
+        assert _shard_rows(fp) == ((rows, 2), start, piece.shape[0]), rank
+        start += piece.shape[0]
+
+
+
+def _fake_shard(full_shape, world: int, rank: int):
+    """What ``_fill_one`` reads of an FSDP2 parameter: the full size, this rank's empty local shard (its piece of
+    ``torch.chunk`` along dim 0) and the mesh position."""
+    from types import SimpleNamespace
+
+    local = torch.empty_like(torch.chunk(torch.empty(full_shape), world)[rank])
+    return SimpleNamespace(_orig_size=torch.Size(full_shape), sharded_param=SimpleNamespace(_local_tensor=local),
+                           mesh_info=SimpleNamespace(shard_mesh_size=world, shard_mesh_rank=rank))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fill_one_writes_each_ranks_rows_of_the_full_parameter(world, tmp_path):
+    """Each rank's shard holds ITS rows of the full parameter: for a random init, of the full ``nn.Linear(3, 5)``
+    weight drawn by ``kaiming_uniform_(a=sqrt(5))`` from the generator seeded ``stable_hash("h3-init", seed,
+    name)`` (drawn at the full shape, not the shard's); for a checkpoint, rows ``[start, start + n)`` of the stored
+    tensor. Expected: ``torch.chunk(full, world)[rank]``."""
+    import math
+
+    from safetensors.torch import save_file
+
+    from miles_ext.levers.fast_init import WEIGHTS, CheckpointInit, _fill_one
+    from patches.core.runtime import stable_hash
+
+    name, owner = "blocks.0.ff.weight", nn.Linear(3, 5)
+    full = torch.empty(5, 3)
+    nn.init.kaiming_uniform_(full, a=math.sqrt(5),
+                             generator=torch.Generator("cpu").manual_seed(stable_hash("h3-init", SEED, name)))
+    stored = torch.arange(15, dtype=torch.float32).view(5, 3)
+    save_file({name: stored}, str(tmp_path / WEIGHTS))
+    for rank in range(world):
+        fp = _fake_shard((5, 3), world, rank)
+        assert _fill_one(RandomInit(SEED, draw_device="cpu"), name, owner, "weight", fp) == \
+            fp.sharded_param._local_tensor.numel() * 4
+        assert torch.equal(fp.sharded_param._local_tensor, torch.chunk(full, world)[rank]), rank
+        fp = _fake_shard((5, 3), world, rank)
+        _fill_one(CheckpointInit(tmp_path), name, owner, "weight", fp)
+        assert torch.equal(fp.sharded_param._local_tensor, torch.chunk(stored, world)[rank]), rank
+
+
 # --------------------------------------------------------------------------------------------- host peak
 MID = dict(num_attention_heads=8, attention_head_dim=128, hidden_size=1024, num_layers=6, ffn_dim=4096,
            time_embed_hidden_dim=256, time_embed_dim=256)

@@ -186,3 +186,47 @@ def denormalize_h3_latents(latent: torch.Tensor, config) -> torch.Tensor:
     view = (-1, 1, 1, 1) if latent.dim() == 4 else (1, -1, 1, 1, 1)
     return latent.float() * std.view(*view) + mean.view(*view)
 
+
+
+def test_pair_cache_key_changes_with_caption_window_and_text_weights(tmp_path, monkeypatch):
+    """The H3 pair cache (``miles_ext.recipe.data``'s docstring: keyed by the clip's bytes, the window, the size, the
+    caption, the preset, the text encoder and whether its weights are random): on one tiny stand-in row (a few bytes
+    as the clip, no decode) with a counting stand-in encoder, the same call again is a hit; another caption, the
+    other ``text_random`` and another window length after the ``frames`` cap (9 frames capped to 5, then to 9) each
+    is a miss; a row whose own window is the capped one (5 frames) is a hit on the capped entry. Expected hit/miss
+    counts written out per call."""
+    from miles_ext.recipe import data as h3data
+
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"stand-in clip bytes")
+    calls = []
+
+    class CountingEncoder:
+        def __init__(self, preset, device, text_random):
+            self.text_random = text_random
+
+        def encode(self, rec, start, n, size):
+            calls.append((rec.caption, start, n, self.text_random))
+            i = float(len(calls))
+            return {"text": torch.full((2, 4), i), "video": torch.full((3, 1, 2, 2), i),
+                    "audio": torch.zeros(2, 3, 1), "encoder": f"stand-in {i}"}
+
+    row = {"records": []}
+    monkeypatch.setattr(h3data, "PairEncoder", CountingEncoder)
+    monkeypatch.setattr(h3data.rows, "load_records", lambda root: row["records"])
+
+    def run(caption="a clip", window=(0, 9), frames=5, text_random=True):
+        row["records"] = [types.SimpleNamespace(video_path=clip, caption=caption, windows=(window,))]
+        pairs, info = h3data.encode_pairs(get_preset("tiny"), torch.device("cpu"), tmp_path, tmp_path / "cache",
+                                          frames, (32, 32), text_random, progress=False)
+        return (info["cache_hits"], info["cache_misses"]), pairs[0]
+
+    first, pair = run()
+    assert first == (0, 1) and calls == [("a clip", 0, 5, True)]
+    again, cached = run()
+    assert again == (1, 0) and all(torch.equal(getattr(cached, f), getattr(pair, f)) for f in ("text", "video", "audio"))
+    assert run(caption="another clip")[0] == (0, 1)  # caption
+    assert run(text_random=False)[0] == (0, 1)  # random vs trained text-encoder weights
+    assert run(frames=9)[0] == (0, 1)  # window [0, 9] instead of the capped [0, 5]
+    assert run(window=(0, 5))[0] == (1, 0)  # the row's own 5 frames: the capped entry
+    assert len(calls) == 4 and calls[-1] == ("a clip", 0, 9, True)

@@ -109,6 +109,27 @@ def test_full_preset_shards_rounding_is_far_above_five_percent():
     assert rounded > 1.2 * asked and not locked_within(asked, rounded)
 
 
+
+def test_locked_within_bounds_by_hand():
+    """``locked_within(requested, locked, tol)``: ``requested <= locked <= (1 + tol) * requested`` (both bounds
+    included); with nothing requested, only nothing locked passes. Cases at and around each bound, with tolerances
+    whose products are exact in binary (1.25 x 4 = 5, 1.5 x 100 = 150)."""
+    assert locked_within(4, 4, 0.25) and locked_within(4, 5, 0.25)  # both bounds included
+    assert not locked_within(4, 3, 0.25)  # less locked than asked: not served pinned
+    assert not locked_within(4, 6, 0.25)
+    assert locked_within(100, 150, 0.5) and not locked_within(100, 151, 0.5) and not locked_within(100, 99, 0.5)
+    assert locked_within(0, 0) and not locked_within(0, 1) and not locked_within(0, 4096)
+    assert locked_within(1000, 1050) and not locked_within(1000, 1051)  # the default 5 %
+
+
+def test_power_of_two_bytes_by_hand():
+    """What the caching host allocator locks: each size rounded up to the next power of two (a power of two stays
+    itself, 1 B is 1 B, 0 B is nothing). Sum by hand: 0 + 1 + 2 + 4 + 4 + 8 + 64 + 128 = 211."""
+    assert power_of_two_bytes([0, 1, 2, 3, 4, 5, 64, 65]) == 211
+    assert power_of_two_bytes([1]) == 1 and power_of_two_bytes([4096]) == 4096
+    assert power_of_two_bytes([4097]) == 8192 and power_of_two_bytes([]) == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 def test_cuda_locked_bytes_within_five_percent_of_requested():
     from miles_ext.levers.pinned import locked_bytes, pinned_report

@@ -110,6 +110,111 @@ def test_select_resident_spreads_streamed_blocks():
     assert max(b - a for a, b in zip(streamed, streamed[1:])) == 2  # every other block
 
 
+
+def test_select_resident_positions_by_hand():
+    """The documented spread: streamed block k of S = num_blocks - n sits at ``round((k + 0.5) * num_blocks / S -
+    0.5)``; the rest are resident. Worked by hand (no .5 ties): 6 blocks, 4 resident -> S = 2 at 1.0, 4.0; 7 blocks,
+    4 resident -> S = 3 at 0.67, 3.0, 5.33 -> 1, 3, 5; 5 blocks, 3 resident -> S = 2 at 0.75, 3.25 -> 1, 3; one
+    streamed of 3 -> at 1.0; none streamed -> all resident."""
+    from miles_ext.levers.residency import select_resident
+
+    assert select_resident(6, 4) == [0, 2, 3, 5]
+    assert select_resident(7, 4) == [0, 2, 4, 6]
+    assert select_resident(5, 3) == [0, 2, 4]
+    assert select_resident(3, 2) == [0, 2]
+    assert select_resident(4, 4) == [0, 1, 2, 3] and select_resident(4, 0) == []
+
+
+class _Block:
+    """Records what FSDP2's explicit-prefetch setters were given (by block index)."""
+
+    def __init__(self, i: int):
+        self.i, self.forward, self.backward = i, None, None
+
+    def set_modules_to_forward_prefetch(self, modules):
+        self.forward = [m.i for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules):
+        self.backward = [m.i for m in modules]
+
+
+@pytest.mark.parametrize("depth, forward, backward", [
+    (1, [[1], [3], [3], [4], None, None], [None, None, [1], [1], [3], [4]]),
+    (2, [[1, 3], [3, 4], [3, 4], [4], None, None], [None, None, [1], [1], [3, 1], [4, 3]]),
+], ids=["depth1", "depth2"])
+def test_wire_prefetch_geometry_by_hand(depth, forward, backward):
+    """Six blocks, blocks 1, 3, 4 streamed (given unsorted): in forward each block prefetches the next ``depth``
+    streamed blocks strictly after it, nearest first; in backward the ``depth`` streamed blocks strictly before it,
+    nearest first; a block with none is not given a list (``None``). Lists written out by hand."""
+    from miles_ext.levers.residency import wire_prefetch
+
+    blocks = [_Block(i) for i in range(6)]
+    wire_prefetch(blocks, [4, 1, 3], depth=depth)
+    assert [b.forward for b in blocks] == forward
+    assert [b.backward for b in blocks] == backward
+    untouched = [_Block(i) for i in range(3)]
+    wire_prefetch(untouched, [1], depth=0)
+    assert all(b.forward is None and b.backward is None for b in untouched)
+
+
+def test_plan_terms_by_hand():
+    """The memory model on numbers small enough to add by hand: ten blocks of 1 B but one of 2 B (given in the
+    middle), root 1, adapters 1 (x5 = 5), tokens = hidden = ffn = 1 at 2 B (activations 10 x 2 + int(15 x 2 x 1.5)
+    = 65), no reserve, depth 1 (streaming buffers (1 + 1) x 2 x 2 = 8 while anything streams). Totals: N = 0: 79;
+    N = 1 (the 2 B block first): 81; N = 2: 82; N = 10: 71 + 11 = 82, no buffers. So a budget of 81 keeps 1 block,
+    82 keeps all 10, 78 is refused."""
+    from miles_ext.levers.residency import plan_resident_blocks
+    from patches.core.errors import UserError
+
+    sizes = [1, 1, 1, 2, 1, 1, 1, 1, 1, 1]
+    kw = dict(tokens=1, hidden=1, ffn_dim=1, depth=1, reserve_gib=0.0, act_bytes=2)
+    fixed = {"root": 1, "adapters+grads+adamw": 5, "activations": 65, "reserve": 0}
+    p81 = plan_resident_blocks(sizes, 1, 1, budget_bytes=81, **kw)
+    assert (p81.resident_blocks, p81.num_blocks, p81.budget_bytes) == (1, 10, 81)
+    assert p81.terms == dict(fixed, resident_blocks=2, streaming_buffers=8) and p81.total_bytes == 81
+    p82 = plan_resident_blocks(sizes, 1, 1, budget_bytes=82, **kw)
+    assert p82.resident_blocks == 10
+    assert p82.terms == dict(fixed, resident_blocks=11, streaming_buffers=0) and p82.total_bytes == 82
+    with pytest.raises(UserError, match="below what streaming every block needs"):
+        plan_resident_blocks(sizes, 1, 1, budget_bytes=78, **kw)
+
+
+def test_launcher_args_by_hand():
+    """``launcher_args``: on a GPU an unset ``RESIDENT_BLOCKS`` means ``auto``; a count is passed on; ``none``
+    passes only ``--fsdp-cpu-offload``; a ``--fsdp-resident-blocks`` already in the trailing arguments is not
+    given twice; without a GPU nothing is added; both given is refused."""
+    from miles_ext.levers.residency import launcher_args
+    from patches.core.errors import UserError
+
+    assert launcher_args(None, [], cuda=True) == ["--fsdp-cpu-offload", "--fsdp-resident-blocks", "auto"]
+    assert launcher_args("", ["--lr", "1e-4"], cuda=True) == ["--fsdp-cpu-offload", "--fsdp-resident-blocks", "auto"]
+    assert launcher_args("5", [], cuda=True) == ["--fsdp-cpu-offload", "--fsdp-resident-blocks", "5"]
+    assert launcher_args("none", [], cuda=True) == ["--fsdp-cpu-offload"]
+    assert launcher_args(None, ["--fsdp-resident-blocks", "3"], cuda=True) == ["--fsdp-cpu-offload"]
+    assert launcher_args(None, ["--fsdp-resident-blocks=3"], cuda=True) == ["--fsdp-cpu-offload"]
+    assert launcher_args("5", [], cuda=False) == [] and launcher_args(None, [], cuda=False) == []
+    with pytest.raises(UserError, match="both given"):
+        launcher_args("5", ["--fsdp-resident-blocks", "3"], cuda=True)
+
+
+
+def test_resolve_residency_accepts_up_to_every_block():
+    """A count of resident blocks from 0 to the model's block count is accepted (all blocks resident included), one
+    more is refused naming the limit; ``none`` is no partial residency. A two-block model (two ``nn.Linear(2, 2)``
+    named as the blocks): 2 -> indices [0, 1]; 0 -> []; 3 -> refused."""
+    from miles_ext.levers.residency import resolve_residency
+    from patches.core.errors import UserError
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    kw = dict(source="--fsdp-resident-blocks", budget_bytes=None, tokens=1, no_split_modules=["Linear"])
+    got = resolve_residency(model, 2, **kw)
+    assert (got.indices, got.count, got.plan) == ([0, 1], 2, None)
+    assert resolve_residency(model, "0", **kw).indices == []
+    assert resolve_residency(model, "none", **kw).indices is None
+    with pytest.raises(UserError, match="--fsdp-resident-blocks 3 but this model has 2 FSDP blocks"):
+        resolve_residency(model, 3, **kw)
+
+
 def test_auto_plan_fits_budget_and_grows_with_it():
     from miles_ext.recipe.presets import FULL
     from miles_ext.levers.residency import plan_resident_blocks

@@ -218,6 +218,29 @@ def test_corrupt_entries_are_reencoded_with_a_warning(items, tmp_path, caplog):
     assert all(torch.equal(reader.get(it), online(vae, it)) for it in items)
 
 
+def test_entries_of_another_shape_are_refused(tmp_path):
+    """The module docstring's entry shape: ``[1, z_dim, (T - 1) // 4 + 1, H / 16, W / 16]``. For a window of 9 frames
+    at ``(W, H) = (64, 32)`` and ``z_dim`` 4 that is ``(1, 4, 3, 2, 4)`` (written out by hand); an entry of that
+    shape loads back, one that differs in any single size (same rank) or in rank (a prefix of the right shape, or
+    one trailing dimension more) is :class:`CorruptEntry` naming the shape, and ``get`` refuses it. No VAE: a
+    read-only cache on a stand-in fingerprint, the clip a few bytes (the key only hashes them)."""
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"not decoded here")
+    cache = lc.LatentCache(tmp_path / "c", {"dtype": "float32", "config": json.dumps({"z_dim": 4})})
+    item = lc.CacheItem(clip, (0, 9), (64, 32))
+    good = (1, 4, 3, 2, 4)
+    cache.store(item, torch.arange(96.0).reshape(good))
+    assert torch.equal(cache.load(item), torch.arange(96.0).reshape(good))
+    wrong = [(2, 4, 3, 2, 4), (1, 5, 3, 2, 4), (1, 4, 2, 2, 4), (1, 4, 3, 3, 4), (1, 4, 3, 2, 5),  # one size off
+             (1, 4, 3, 2), (1, 4, 3, 2, 4, 1)]  # rank 4 (a prefix of the right shape), rank 6
+    for shape in wrong:
+        cache.store(item, torch.zeros(shape))
+        with pytest.raises(lc.CorruptEntry, match="shape"):
+            cache.load(item)
+        with pytest.raises(lc.LatentCacheError, match="corrupt"):
+            cache.get(item)
+
+
 def test_training_refuses_a_missing_entry(items, tmp_path):
     reader = lc.LatentCache.for_vae(_vae(), "cpu", tmp_path, encode=online_latent).read_only()
     with pytest.raises(lc.LatentCacheError, match="missing.*python -m cosmos_framework_ext.recipe.prepass"):

@@ -175,6 +175,51 @@ def test_planted_plain_function_step_breaks_the_scheduler_build():
         _scheduled(PlainFunctionStep, "after")
 
 
+
+def _two_groups(lever, amsgrad: tuple[bool, bool], steps: int = 3) -> dict:
+    """Stock ``torch.optim.AdamW`` (or with ``lever``) over two param groups with different hyper-parameters (lr,
+    betas, weight decay, ``amsgrad`` per group): group 0 holds ``a`` (4x3) and ``b`` (5), group 1 holds ``c`` (2x2)
+    and ``d`` (3), ``d`` never getting a gradient. Each step's gradients are a fixed function of the step and the
+    weights; one stream group per param group (``group_bytes`` 1 MiB)."""
+    torch.manual_seed(0)
+    a, b, c, d = (torch.nn.Parameter(torch.randn(*s)) for s in ((4, 3), (5,), (2, 2), (3,)))
+    opt = torch.optim.AdamW([
+        {"params": [a, b], "lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.1, "amsgrad": amsgrad[0]},
+        {"params": [c, d], "lr": 3e-3, "betas": (0.8, 0.95), "weight_decay": 0.0, "amsgrad": amsgrad[1]},
+    ], eps=1e-6)
+    off = lever(opt, group_bytes=1 << 20, pin=False) if lever is not None else None
+    for step in range(steps):
+        for p in (a, b, c):
+            p.grad = torch.sin(p.detach() * (step + 1)) + 0.1 * step
+        opt.step()
+    return {"params": {"a": a, "b": b, "c": c, "d": d}, "opt": opt, "off": off}
+
+
+@pytest.mark.parametrize("amsgrad, per_step", [((False, True), (12 + 5) * 4 * 2 + 4 * 4 * 3),
+                                               ((True, False), (12 + 5) * 4 * 3 + 4 * 4 * 2)],
+                         ids=["amsgrad-second-group", "amsgrad-first-group"])
+def test_param_groups_amsgrad_and_missing_grads_equal_stock(amsgrad, per_step):
+    """Two param groups with their own lr/betas/weight decay, ``amsgrad`` in one of them, and a parameter without a
+    gradient in a stream group whose other parameter has one: weights and ``state_dict()`` bit-exact vs stock AdamW
+    after 3 steps; ``d`` (no gradient) untouched and without state, as stock. ``max_exp_avg_sq`` of the amsgrad group
+    lives in the arena between steps and streams: the bytes moved, by hand, are per step the moments that exist
+    (fp32: 4 B an element; ``a``+``b`` 17 elements, ``c`` 4; three moments in the amsgrad group, two in the other),
+    d2h at each of the 3 steps and h2d at the 2 steps after the first (the first initialises on the device)."""
+    stock, got = _two_groups(None, amsgrad), _two_groups(OptimStateOffload, amsgrad)
+    assert not _equal_trees(stock["params"], got["params"], "params")
+    assert not _equal_trees(stock["opt"].state_dict(), got["opt"].state_dict(), "optimizer")
+    assert got["params"]["d"] not in got["opt"].state
+    off = got["off"]
+    assert off.stats == {"steps": 3, "h2d_bytes": 2 * per_step, "d2h_bytes": 3 * per_step}
+    arena = {t.data_ptr() for t in off.arena.tensors}
+    group = 0 if amsgrad[0] else 1
+    for p in got["opt"].param_groups[group]["params"]:
+        st = got["opt"].state.get(p)
+        if st:
+            assert {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"} <= set(st)
+            assert all(st[k].data_ptr() in arena for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+
+
 # --------------------------------------------------------------------------------------- planted bugs
 class ThroughBf16(OptimStateOffload):
     """Planted: the state streams back to the host through bf16."""

@@ -183,6 +183,58 @@ def test_trailing_padding_rows_are_zero_with_zero_gradient():
         assert torch.count_nonzero(grad[0, int(cu[-1]):]) == 0
 
 
+def _lse_by_hand(q, k, cu_q, cu_k, scale):
+    """Log-sum-exp per (query row, head) written out row by row in float64: ``log(sum_j exp(scale * q.k_j))`` over
+    the keys ``j`` a bottom-right causal row of its own sequence sees (``j <= i + (len_k - len_q)``), KV head
+    ``h // (H / H_kv)``; ``-inf`` for a row that sees no key and for a row outside every sequence."""
+    import math
+
+    total_q, heads = q.shape[1], q.shape[2]
+    rep = heads // k.shape[2]
+    want = torch.full((1, total_q, heads), float("-inf"), dtype=torch.float64)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    qs, ks = q[0].tolist(), k[0].tolist()  # [T, H, D] as Python floats
+    for s in range(len(cq) - 1):
+        lq, lk = cq[s + 1] - cq[s], ck[s + 1] - ck[s]
+        for i in range(lq):
+            keys = [j for j in range(lk) if j <= i + (lk - lq)]
+            for h in range(heads):
+                if keys:
+                    dots = [scale * sum(a * b for a, b in zip(qs[cq[s] + i][h], ks[ck[s] + j][h // rep]))
+                            for j in keys]
+                    top = max(dots)
+                    want[0, cq[s] + i, h] = top + math.log(sum(math.exp(d - top) for d in dots))
+    return want
+
+
+def test_lse_is_minus_inf_for_blind_rows_and_padding():
+    """return_lse with a row that sees no key: bottom-right causal with more queries than keys (the first
+    ``len_q - len_k`` rows of that sequence see nothing) and trailing padding rows after the last sequence.
+    Expected, from the documented contract (upstream's backends): LSE ``-inf`` and output 0 on exactly those rows,
+    the hand-computed float64 log-sum-exp of :func:`_lse_by_hand` on every other row, finite gradients."""
+    lq, lk = (5, 3), (2, 3)
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    pad = 3
+    q, k, v = _inputs(sum(lq) + pad, sum(lk) + 2)
+    kw = dict(is_causal=True, causal_type=CausalType.BottomRight, cumulative_seqlen_Q=cu_q, cumulative_seqlen_KV=cu_k,
+              max_seqlen_Q=max(lq), max_seqlen_KV=max(lk), return_lse=True)
+    out, lse = ua.torch_attention(q, k, v, **kw)
+    want = _lse_by_hand(q.detach(), k.detach(), cu_q, cu_k, DIM ** -0.5)
+    blind = [0, 1, 2, 8, 9, 10]  # rows 0..2 of sequence 0 (5 queries, 2 keys) and the 3 padding rows
+    assert lse.shape == (1, sum(lq) + pad, HEADS) and lse.dtype == torch.float32
+    assert torch.isneginf(want[0, blind]).all() and torch.isfinite(want[0, [3, 4, 5, 6, 7]]).all()
+    assert torch.isneginf(lse[0, blind]).all(), lse[0, blind]
+    torch.testing.assert_close(lse.double()[0, [3, 4, 5, 6, 7]], want[0, [3, 4, 5, 6, 7]], rtol=1e-5, atol=1e-5)
+    assert torch.count_nonzero(out[0, blind]) == 0
+    seen = torch.isfinite(lse)
+    grads = torch.autograd.grad(out.sum() + lse[seen].sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():  # the same call without gradients (another kernel choice) gives the same rows
+        _, lse_ng = ua.torch_attention(q, k, v, **kw)
+    assert torch.isneginf(lse_ng[0, blind]).all()
+    torch.testing.assert_close(lse_ng, lse, rtol=0, atol=0)
+
+
 def test_deterministic_uses_math_and_matches():
     cu = _cu(TEXT[:3])
     kw = dict(_text_call(cu), max_seqlen_Q=150, max_seqlen_KV=150, deterministic=True)

