@@ -109,7 +109,7 @@ def write_together(files: Mapping[str | os.PathLike, str]) -> None:
 
 def result_stem(recipe: str, what: str, device: str, smoke: bool = False) -> str:
     """The results' one naming scheme, ``<date>_<recipe>_<gpu>_<what>`` (``2026-11-30_cosmos_h200_edge24gb``): today's
-    date (UTC), the recipe (``cosmos``, ``h3``, ``upstream``), the GPU as a short lower-case name from ``device``
+    date (UTC), the recipe (``cosmos``, ``h3``, ``upstream``; ``core`` for what both share), the GPU as a short lower-case name from ``device``
     (``NVIDIA H200`` -> ``h200``; ``cpu``), and what was measured; a CPU smoke ends in ``-smoke``."""
     import datetime
     import re

@@ -306,3 +306,37 @@ def test_a_folder_where_a_result_goes_is_refused_before_any_run(scripts, tmp_pat
     err = capfd.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: --out") and "in the way" in err[0], err
     assert sorted(p.name for p in out.iterdir()) == [f"{stem}.json"]
+
+
+def test_metrics_cost_refuses_zero_steps_and_measures_the_metrics_call(tmp_path, capfd, monkeypatch):
+    """``--steps 0`` is one line, exit 2, nothing written; a short run writes both files, and its event file holds
+    every step's scalars (7 on a CPU: about 45 bytes each). Planted: a run whose scalars never reach the writer
+    leaves an event file of its header only, and the byte count sees it."""
+    mod = _load("metrics_cost_inputs", "benchmarks/metrics_cost.py")
+    from patches.core.errors import cli
+
+    assert cli(lambda: mod.main(["--steps", "0", "--out", str(tmp_path / "o")])) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == ["error: --steps = 0 must be >= 1"] and not (tmp_path / "o").exists()
+
+    def run() -> dict:
+        for p in tmp_path.glob("*metrics-cost*"):
+            p.unlink()
+        assert mod.main(["--steps", "50", "--out", str(tmp_path)]) == 0
+        (js,) = tmp_path.glob("*_core_*_metrics-cost.json")
+        assert js.with_suffix(".md").is_file()
+        return json.loads(js.read_text())
+
+    rows = run()
+    assert rows["steps"] == 50 and rows["event_bytes_per_step"] > 6 * 40
+
+    real = mod._Run
+
+    class Dropped(real):  # planted: the scalars are dropped before the writer
+        def __init__(self, metrics, device):
+            super().__init__(metrics, device)
+            if metrics is not None:
+                metrics.log = lambda step, scalars: None
+
+    monkeypatch.setattr(mod, "_Run", Dropped)
+    assert run()["event_bytes_per_step"] < 40

@@ -16,6 +16,8 @@ from patches.core import config as cc
 from patches.core.checkpoint import CheckpointManager
 from patches.core.io import atomic_write
 from patches.core.lock import RunLocked, hold_run_lock
+from patches.core.trainer import Recipe, StepResult
+from patches.core.trainer import run as run_trainer
 
 
 def test_checkpoint_names_marker_and_latest(tmp_path):
@@ -307,35 +309,30 @@ def test_atomic_write_uses_a_hidden_marked_temporary_in_the_same_folder(tmp_path
 
 
 # ------------------------------------------------------------------------------------------- the trainer skeleton
-class _CountingRecipe:
+class _CountingRecipe(Recipe):
     """A minimal recipe: each step records its index; the checkpoint holds the list of trained steps."""
 
-    def __new__(cls, run_dir, max_steps):
-        from patches.core.trainer import Recipe, StepResult
+    def __init__(self, run_dir: Path, max_steps: int):
+        self.run_dir, self.max_steps, self.trained = Path(run_dir), max_steps, []
+        self.checkpoints = CheckpointManager(run_dir)
 
-        class Counting(Recipe):
-            def build(self, stack):
-                pass
+    def build(self, stack):
+        pass
 
-            def state_dict(self):
-                return {"trained": list(self.trained)}
+    def state_dict(self):
+        return {"trained": list(self.trained)}
 
-            def load_state_dict(self, state):
-                self.trained = list(state["trained"])
-                return len(self.trained)
+    def load_state_dict(self, state):
+        self.trained = list(state["trained"])
+        return len(self.trained)
 
-            def train_step(self, step):
-                self.trained.append(step)
-                return StepResult(loss=float(step), seconds=0.01)
+    def train_step(self, step):
+        self.trained.append(step)
+        return StepResult(loss=float(step), seconds=0.01)
 
-            def summary(self, start, results, checkpoint):
-                return {"start": start, "losses": [r.loss for r in results],
-                        "checkpoint": checkpoint.name if checkpoint else None}
-
-        r = Counting()
-        r.run_dir, r.max_steps, r.trained = Path(run_dir), max_steps, []
-        r.checkpoints = CheckpointManager(run_dir)
-        return r
+    def summary(self, start, results, checkpoint):
+        return {"start": start, "losses": [r.loss for r in results],
+                "checkpoint": checkpoint.name if checkpoint else None}
 
 
 def test_trainer_saves_at_the_end_resumes_cleans_and_stops_when_done(tmp_path, capsys):
@@ -343,20 +340,18 @@ def test_trainer_saves_at_the_end_resumes_cleans_and_stops_when_done(tmp_path, c
     ``iter_000000003.pt`` (the default ``save_due`` is "after the last step"); a resume to 5 steps removes a killed
     save's temporary (and says so), trains steps 3 and 4 only, and writes ``iter_000000005.pt``; a third run at 5
     steps trains nothing, says "nothing to do" and returns the summary already on disk."""
-    from patches.core.trainer import run
-
-    first = run(_CountingRecipe(tmp_path, 3))
+    first = run_trainer(_CountingRecipe(tmp_path, 3))
     assert first == {"start": 0, "losses": [0.0, 1.0, 2.0], "checkpoint": "iter_000000003.pt"}
     assert [s for s, _ in CheckpointManager(tmp_path).all()] == [3]
     stale = tmp_path / "checkpoints" / ".iter_000000004.pt.tmp-dead"
     stale.write_bytes(b"half")
     capsys.readouterr()
-    second = run(_CountingRecipe(tmp_path, 5))
+    second = run_trainer(_CountingRecipe(tmp_path, 5))
     err = capsys.readouterr().err
     assert second == {"start": 3, "losses": [3.0, 4.0], "checkpoint": "iter_000000005.pt"}
     assert not stale.exists() and "removed 1 temporary file(s)" in err and ".iter_000000004.pt.tmp-dead" in err
     done = _CountingRecipe(tmp_path, 5)
-    third = run(done)
+    third = run_trainer(done)
     out = capsys.readouterr().out
     assert "nothing to do" in out and done.trained == [0, 1, 2, 3, 4]  # loaded, nothing trained
     assert third == second == json.loads((tmp_path / "summary.json").read_text())

@@ -49,9 +49,10 @@ def pick_device(local_rank: int = 0) -> torch.device:
     """The rank's GPU (``cuda:local_rank``, made current and capped at ``ONECARD_GPU_MEMORY_GIB``), or the CPU.
 
     Raises:
-        UserError: a bad ``ONECARD_GPU_MEMORY_GIB`` (see :func:`gpu_memory_cap_gib`).
+        UserError: a bad ``ONECARD_GPU_MEMORY_GIB`` (see :func:`gpu_memory_cap_gib`), on a GPU or a CPU.
     """
     if not torch.cuda.is_available():
+        gpu_memory_cap_gib()  # a bad value is refused on a CPU too (it would be on the GPU)
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)

@@ -1,7 +1,7 @@
 """The mutation list (``tests/mutation/mutants.toml``) stays valid: every snippet is found exactly once in the source
 it names (inside the function it is anchored to), every named test exists, and the list covers every planted bug the
-docs name and every kind of bug a
-mutation run found surviving. Fast (no test is run); ``python tests/mutation/run.py`` runs the mutants."""
+docs name, every kind of bug a mutation run found surviving and every kind of the independent list. Fast (no test
+is run); ``python tests/mutation/run.py`` runs the mutants."""
 
 from __future__ import annotations
 
@@ -32,6 +32,16 @@ SURVIVOR_KINDS = {  # what survived a mutation run before the independent anchor
     "ComfyUI alpha", "CUDA ordering: optimizer pre-step wait", "CUDA ordering: copy after the optimizer step",
     "drop counter",
 }
+INDEPENDENT_KINDS = {  # the kinds of an independent list written from the source alone, without reading the tests
+    "checkpoint ordering", "checkpoint marker names an incomplete file", "cleaning temporaries",
+    "optimizer streaming several param groups", "optimizer streaming amsgrad", "optimizer streaming per-group selection",
+    "pinned tolerance check", "power-of-two helper", "residency select_resident", "residency prefetch wiring",
+    "residency memory model", "H3 init distributions", "H3 init per-parameter seeding",
+    "attention LSE of a row that sees no key", "export dtype", "translator multi-node GPU count",
+    "latent cache shape check", "run lock from another host", "run lock from another user's process",
+    "resume setting boolean vs integer", "pre-flight NaN lower bound", "pre-flight broken symlink",
+    "guard renamed parameter", "guard revert leaves a patch registered",
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +58,7 @@ def test_the_list_covers_the_planted_bugs_and_the_survivors(mutants):
     kinds = {m.kind for m in mutants}
     assert README_PLANTED_BUGS - kinds == set()
     assert SURVIVOR_KINDS - kinds == set()
+    assert INDEPENDENT_KINDS - kinds == set()
     assert {m.kind for m in mutants if m.cuda} >= {k for k in SURVIVOR_KINDS if k.startswith("CUDA")}
 
 

@@ -199,6 +199,12 @@ class LatentStore:
         from safetensors.torch import save_file
 
         host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        seen: set[int] = set()
+        for name, t in host.items():  # safetensors refuses tensors that share memory: give each its own
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                host[name] = t.clone()
+            seen.add(host[name].untyped_storage().data_ptr())
         full = {**dict(meta or {}), "key": key.parts, "sha256": _checksum(host)}
         path = self.path(key)
         new_shard = not os.path.lexists(path.parent)

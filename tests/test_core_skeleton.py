@@ -1,0 +1,133 @@
+"""The trainer skeleton's run outputs on a toy recipe: checkpoint retention, the summary schema, TensorBoard metrics,
+and the helpers other tests drive it with (:class:`ToyRecipe`, :func:`run_toy`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from patches.core.checkpoint import CheckpointManager
+from patches.core.errors import cli
+from patches.core.trainer import Recipe, StepResult, run
+
+
+class ToyRecipe(Recipe):
+    """A recipe whose step ``i`` has loss ``i``; the checkpoint holds ``x`` (steps done) and a 1 KB tensor."""
+
+    recipe_name = "toy"
+    checkpoint_keys = ("x",)
+
+    def __init__(self, run_dir: Path, max_steps: int, save_every: int = 1, keep: int = 0):
+        self.run_dir, self.max_steps, self.save_every = Path(run_dir), max_steps, save_every
+        self.checkpoints = CheckpointManager(self.run_dir, keep=keep)
+        self.x = 0
+        self.device = torch.device("cpu")
+
+    def build(self, stack):
+        pass
+
+    def state_dict(self):
+        return {"x": self.x, "w": torch.full((256,), float(self.x))}
+
+    def load_state_dict(self, state):
+        self.x = state["x"]
+        return self.x
+
+    def train_step(self, step):
+        self.x = step + 1
+        self.log_metrics(self.x, loss=float(step), lr=1e-3, grad_norm=0.5, step_s=0.01, samples_per_s=100.0)
+        return StepResult(loss=float(step), samples=1, seconds=0.01)
+
+    def save_due(self, done):
+        return done % self.save_every == 0 or done == self.max_steps
+
+    def summary(self, start, results, checkpoint):
+        from patches.core.summary import run_summary
+
+        return run_summary(recipe=self.recipe_name, preset="toy", device=self.device, world_size=1, unit="step",
+                           steps=len(results), optimizer_steps_total=self.max_steps, resumed_from=start,
+                           reached=self.max_steps, losses=[r.loss for r in results], s_per_step_median=0.01,
+                           peak_host_rss_gib=0.0, pinned_bytes=0, checkpoint=checkpoint)
+
+
+def run_toy(recipe: ToyRecipe) -> int:
+    """Run ``recipe`` as a command line does: 0, or 2 with one ``error:`` line."""
+    return cli(lambda: run(recipe) and 0)
+
+
+@pytest.mark.parametrize("keep,left", [(0, [1, 2, 3, 4, 5]), (1, [5]), (2, [4, 5]), (3, [3, 4, 5])])
+def test_retention_keeps_the_newest_n_and_never_the_one_being_written(tmp_path, keep, left):
+    recipe = ToyRecipe(tmp_path, 5, keep=keep)
+    deleted_while_writing: list[int] = []
+    real_save = recipe.checkpoints.save
+
+    def watching(step, state):  # the files there while the new one is written: nothing older is gone yet
+        before = [s for s, _ in recipe.checkpoints.all()]
+        path = real_save(step, state)
+        deleted_while_writing.extend(s for s in before if s not in [t for t, _ in recipe.checkpoints.all()]
+                                     and s >= step)
+        return path
+
+    recipe.checkpoints.save = watching
+    assert run_toy(recipe) == 0
+    assert [s for s, _ in recipe.checkpoints.all()] == left
+    assert deleted_while_writing == []
+    assert (tmp_path / "checkpoints" / "latest_checkpoint.txt").read_text() == "iter_000000005.pt\n"
+
+
+def test_planted_retention_that_deletes_before_the_write_completes_is_caught(tmp_path):
+    """Planted: pruning before the new file is written -- a failing write would then leave no checkpoint."""
+    cm = CheckpointManager(tmp_path, keep=1)
+    cm.save(1, {"x": 1})
+
+    def failing(obj, path):
+        raise OSError(28, "No space left on device")
+
+    import patches.core.checkpoint as ck
+
+    real = ck.atomic_torch_save
+    ck.atomic_torch_save = failing
+    try:
+        cm.prune(cm.path(2))  # what a save that prunes first would do
+        with pytest.raises(OSError):
+            cm.save(2, {"x": 2})
+    finally:
+        ck.atomic_torch_save = real
+    assert cm.all() == []  # the planted order lost the only checkpoint; the real save prunes only after the write
+    cm.save(3, {"x": 3})
+    ck.atomic_torch_save = failing
+    try:
+        with pytest.raises(OSError):
+            cm.save(4, {"x": 4})
+    finally:
+        ck.atomic_torch_save = real
+    assert [s for s, _ in cm.all()] == [3]
+
+
+def test_summary_follows_the_schema_and_counts_a_resume(tmp_path):
+    from patches.core.summary import COMMON, SCHEMA, missing_keys
+
+    recipe = ToyRecipe(tmp_path, 3)
+    assert run_toy(recipe) == 0
+    again = ToyRecipe(tmp_path, 5)
+    summary = run(again)
+    assert missing_keys(summary) == [] and summary["schema"] == SCHEMA and set(COMMON) <= set(summary)
+    assert (summary["steps"], summary["resumed_from"], summary["reached"]) == (2, 3, 5)
+    assert summary["losses"] == [3.0, 4.0] and summary["last_loss"] == 4.0
+    assert missing_keys({k: v for k, v in summary.items() if k != "reached"}) == ["reached"]  # planted: a key lost
+
+
+def test_metrics_are_written_as_tensorboard_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from patches.core.metrics import NAMES
+
+    assert run_toy(ToyRecipe(tmp_path, 4)) == 0
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {f"train/{n}" for n in NAMES if not n.startswith("gpu_")} <= tags
+    loss = acc.Scalars("train/loss")
+    assert [(e.step, e.value) for e in loss] == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 3.0)]
