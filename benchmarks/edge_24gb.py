@@ -87,7 +87,7 @@ from benchmarks.checks import (at_least, at_most_card, free_targets, pick, posit
 from cosmos_framework_ext.levers import packing  # noqa: E402
 from cosmos_framework_ext.recipe import train
 from patches.core import trainer as skeleton  # noqa: E402
-from patches.core.errors import UserError, cli  # noqa: E402
+from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
 from patches.core.io import atomic_write  # noqa: E402
 from patches.core.runtime import GiB  # noqa: E402
 
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-gib", type=float, default=22.06, help="card cap of the capped rows (GiB)")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (>= 2: 1 warm-up)")
     ap.add_argument("--grad-accum", type=int, default=8, help="grad_accum_iter (>= 8 on the GPU; default 8)")

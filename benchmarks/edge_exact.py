@@ -31,7 +31,6 @@ it checks the code path, not memory or time. Random weights: the losses mean not
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -48,7 +47,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.checks import (at_least, at_most_card, free_targets, pick, positive, result_stem,  # noqa: E402
                                writable_dir, write_together)
 from cosmos_framework_ext.recipe import train  # noqa: E402
-from patches.core.errors import UserError, cli  # noqa: E402
+from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
 from patches.core.runtime import GiB  # noqa: E402
 
 EMA, VAE, OPT, FRZ = "COSMOS_EMA_CPU_SUBSET", "COSMOS_VAE_CPU_OFFLOAD", "COSMOS_OPTIM_STATE_OFFLOAD", "COSMOS_FROZEN_BF16"
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--grad-accum", type=int, default=8, help="micro-batches per optimizer step (recipe: 61)")
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per configuration (>= 2: 1 warm-up)")
     ap.add_argument("--head-cap-gib", type=float, default=22.06, help="card cap for HEAD dtypes, all levers")

@@ -76,7 +76,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.checks import at_least, free_targets, pick, positive, writable_dir, write_together  # noqa: E402
-from patches.core.errors import UserError, cli  # noqa: E402
+from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
 from patches.core.flags import is_whole_number  # noqa: E402
 
 MODES = ("resident", "offload", "partial")
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    ap = argparse.ArgumentParser(prog="python benchmarks/h3_1gpu.py", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python benchmarks/h3_1gpu.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default=",".join(MODES), help="comma list of resident, offload, partial")
     ap.add_argument("--clips", default=DEFAULT_CLIPS, help="comma list of FRAMESxHEIGHTxWIDTH")
     ap.add_argument("--probe-largest", action="store_true", help="add the largest 480x832 clip the resident run holds")

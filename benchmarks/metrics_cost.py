@@ -18,7 +18,6 @@ before anything runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.checks import at_least, free_targets, result_stem, write_together, writable_dir  # noqa: E402
-from patches.core.errors import cli  # noqa: E402
+from patches.core.errors import ArgumentParser, cli  # noqa: E402
 from patches.core.trainer import Recipe  # noqa: E402
 
 STEP_S = {"Cosmos3-Edge (s per optimizer step, 2026-12-01)": 3.29, "MiniMax-H3 33 B (s per micro-batch, 2026-11-30)": 19.0}
@@ -61,7 +60,7 @@ def _stats(seconds: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2000, help="optimizer steps to log (default 2000)")
     ap.add_argument("--out", default="benchmarks/results", help="folder for the result files")
     args = ap.parse_args(argv)
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         log.close()
         close_s = time.perf_counter() - t
-        event_bytes = sum(p.stat().st_size for p in (Path(tmp) / "tensorboard").iterdir())
+        event_bytes = sum(p.stat().st_size for p in (Path(tmp) / "tensorboard").glob("*"))
     on = _stats(on_s)
     extra_us = on["median_us"] - off["median_us"]
     rows = {"date": stem[:10], "device": name, "torch": torch.__version__, "steps": args.steps,

@@ -41,7 +41,7 @@ toml="$here/toml/vision_sft_edge_24gb.toml"
 TOML_FILE="${TOML_FILE:-$toml}"
 
 if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" && ! -d "${COSMOS_FRAMEWORK_ROOT}/cosmos_framework" ]]; then
-  echo "error: COSMOS_FRAMEWORK_ROOT=${COSMOS_FRAMEWORK_ROOT} is not a cosmos-framework checkout (no cosmos_framework/ in it)" >&2
+  echo "error: COSMOS_FRAMEWORK_ROOT=${COSMOS_FRAMEWORK_ROOT} is not a cosmos-framework checkout (no cosmos_framework/ in it): point it at the folder that holds cosmos_framework/, or unset it to run the embedded trainer" >&2
   exit 2
 fi
 
@@ -53,7 +53,7 @@ for v in NPROC_PER_NODE NNODES NODE_RANK MASTER_PORT; do
   fi
 done
 if [[ "$dryrun" == 1 ]]; then
-  exec "$PYTHON" -m patches.ledger --toml "$TOML_FILE" --budget-gib "${BUDGET_GIB:-22.06}" \
+  exec "$PYTHON" -m patches.ledger --toml "$TOML_FILE" \
     --world-size "$(( ${NPROC_PER_NODE:-1} * ${NNODES:-1} ))"
 fi
 

@@ -9,11 +9,11 @@ the supported upstream commits.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from .core import flags
+from .core.errors import ArgumentParser
 
 
 def status() -> int:
@@ -164,7 +164,7 @@ def check() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m patches")
+    ap = ArgumentParser(prog="python -m patches")
     ap.add_argument("command", choices=["status", "check"],
                     help="status: report flags and targets; check: apply the patches here and report (exit 2 on a mismatch)")
     args = ap.parse_args(argv)

@@ -31,7 +31,8 @@ def apply_from_env() -> list[str]:
     if not root or not any(values.values()):
         return []  # the embedded trainer has the levers built in; unset flags patch nothing
     if not os.path.isdir(os.path.join(root, "cosmos_framework")):
-        raise UpstreamMismatch(f"COSMOS_FRAMEWORK_ROOT={root} is not a cosmos-framework checkout (no cosmos_framework/ in it)")
+        raise UpstreamMismatch(f"COSMOS_FRAMEWORK_ROOT={root} is not a cosmos-framework checkout (no cosmos_framework/ in it): "
+                               "point it at the folder that holds cosmos_framework/")
     if root not in sys.path:
         sys.path.insert(0, root)
     from .cosmos_table import patch_set

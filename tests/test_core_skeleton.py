@@ -131,3 +131,65 @@ def test_metrics_are_written_as_tensorboard_scalars(tmp_path):
     assert {f"train/{n}" for n in NAMES if not n.startswith("gpu_")} <= tags
     loss = acc.Scalars("train/loss")
     assert [(e.step, e.value) for e in loss] == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 3.0)]
+
+
+def test_steps_trained_again_after_a_kill_are_shown_once(tmp_path):
+    """A run killed after logging steps 1-2 but before any checkpoint: the next run trains from step 1 again, and
+    TensorBoard shows steps 1, 2, 3 once each (the writer's ``purge_step``), with the new run's values. Planted: a
+    writer opened without ``purge_step`` shows the killed run's steps twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from patches.core.metrics import MetricsLog
+
+    def steps(folder):
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        return [(e.step, e.value) for e in acc.Scalars("train/loss")]
+
+    killed = MetricsLog(tmp_path / "a")
+    for step in (1, 2):
+        killed.log(step, {"loss": 10.0 + step})
+    killed.close()
+    again = MetricsLog(tmp_path / "a")
+    for step in (1, 2, 3):
+        again.log(step, {"loss": float(step)})
+    again.close()
+    assert steps(tmp_path / "a" / "tensorboard") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+    for values in ({1: 11.0, 2: 12.0}, {1: 1.0, 2: 2.0, 3: 3.0}):  # planted: no purge_step
+        w = SummaryWriter(log_dir=str(tmp_path / "b"))
+        for step, v in values.items():
+            w.add_scalar("train/loss", v, step)
+        w.close()
+    assert len(steps(tmp_path / "b")) == 5
+
+
+class _Exploding(ToyRecipe):
+    """Losses 2, 3, then 5e3 (above 1000 x the first): a run whose learning rate is far too high."""
+
+    def train_step(self, step):
+        r = super().train_step(step)
+        r.loss = [2.0, 3.0, 5e3, 1e9][step]
+        return r
+
+
+def test_a_diverging_run_says_so_once(tmp_path, capsys):
+    """The skeleton warns once, at the step the loss passes 1000 x the first positive loss, and the run goes on.
+    The rule by hand: non-finite or above the ratio is divergence; a few-fold rise, a falling loss, a leading zero
+    loss and no losses are not (planted: the same rule at a 1.5 x ratio would call the 2 -> 3 rise divergence)."""
+    from patches.core import trainer
+
+    assert run_toy(_Exploding(tmp_path, 4)) == 0
+    err = capsys.readouterr().err
+    assert err.count("the run is diverging") == 1 and "the loss rose from 2 to 5000 at step 3" in err
+    assert trainer.divergence([14.9, 14.9, 3.5e11]) == "the loss rose from 14.9 to 3.5e+11"
+    assert trainer.divergence([1.0, float("nan")]) == "the loss is nan"
+    assert trainer.divergence([0.0, 2.0, 900.0]) is None and trainer.divergence([]) is None
+    assert trainer.divergence([14.9, 3.0, 40.0]) is None
+    real = trainer.DIVERGED_RATIO
+    trainer.DIVERGED_RATIO = 1.5  # planted
+    try:
+        assert trainer.divergence([2.0, 3.1]) is not None
+    finally:
+        trainer.DIVERGED_RATIO = real

@@ -74,7 +74,9 @@ def test_resume_continues_exactly_and_skips_encoding(first_run, tmp_path):
     s = json.loads((tmp / "out" / "h3_t2va_sft" / "summary.json").read_text())
     assert s["data"]["cache_misses"] == 0 and s["data"]["cache_hits"] == s["data"]["rows"]
     assert s["resumed_from"] == 1 and s["steps"] == 2 and s["reached"] == 2
-    straight = run(tmp_path, "--num-rollout", "2", env={"OUTPUT_ROOT": str(tmp_path / "straight")})
+    # the straight run reads the latents the first run encoded (the cache is proven exact on its own)
+    straight = run(tmp_path, "--num-rollout", "2", env={"OUTPUT_ROOT": str(tmp_path / "straight"),
+                                                        "ONECARD_DATA_CACHE": str(tmp / "cache")})
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert latest_marker(tmp / "out") == "iter_000000002.pt\n" and s["checkpoint"] == str(checkpoint(tmp / "out", 2))
     b = torch.load(checkpoint(tmp_path / "straight", 2), weights_only=False)

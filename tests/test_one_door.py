@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ def tiny_lora_model():
     return make_lora_model(seed=0)
 
 
-def test_the_three_doors_parse_alike():
+def test_the_three_doors_parse_alike(capsys):
     from miles_ext.levers.residency import launcher_args
     from patches.core.flags import MILES_RESIDENT_BLOCKS, FlagError, parse_resident_blocks
 
@@ -41,7 +40,10 @@ def test_the_three_doors_parse_alike():
         assert len(set(messages)) == 1, messages  # the same rule, whatever door
     assert launcher_args(None, [], cuda=True) == ["--fsdp-cpu-offload", "--fsdp-resident-blocks", "auto"]
     assert launcher_args("none", [], cuda=True) == ["--fsdp-cpu-offload"]
+    capsys.readouterr()
     assert launcher_args("4", [], cuda=False) == []
+    assert "RESIDENT_BLOCKS=4 applies on a GPU only" in capsys.readouterr().err  # said, not silently dropped
+    assert launcher_args("auto", [], cuda=False) == [] and capsys.readouterr().err == ""  # the default says nothing
     assert launcher_args(None, ["--fsdp-resident-blocks", "2"], cuda=True) == ["--fsdp-cpu-offload"]
     with pytest.raises(UserError, match="both given: keep one"):
         launcher_args("3", ["--fsdp-resident-blocks=2"], cuda=True)

@@ -138,7 +138,7 @@ def test_cosmos_base_checkpoint_that_is_a_random_file(tmp_path, sample_dataset):
     junk = tmp_path / "model.pt"
     junk.write_bytes(os.urandom(4096))
     r = launch(COSMOS, tmp_path, DATASET_PATH=str(sample_dataset), BASE_CHECKPOINT_PATH=str(junk))
-    assert_refused(r, f"BASE_CHECKPOINT_PATH={junk} is not a readable torch checkpoint", tmp_path)
+    assert_refused(r, f"BASE_CHECKPOINT_PATH={junk} is not a torch checkpoint (not the zip archive", tmp_path)
 
 
 def test_cosmos_busy_master_port_and_refused_max_iter(tmp_path, sample_dataset):

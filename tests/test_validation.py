@@ -327,3 +327,133 @@ def test_the_launcher_says_it_is_checking_before_the_run(tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 2 and "checking every input before the run starts" in r.stdout
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: DATASET_PATH="), r.stderr
+
+
+# ------------------------------------------------------------------ 8. the command line itself, Ctrl-C, the lock early
+@pytest.mark.parametrize("argv,needle", [
+    (["--sft-toml", "x.toml", "--max-iter", "abc"], "argument --max-iter: invalid int value: 'abc'"),
+    (["--sft-toml", "x.toml", "--max-itr", "5"], "unrecognized arguments: --max-itr 5"),
+], ids=["wrong-type", "unknown-flag"])
+def test_a_bad_command_line_is_one_error_line(argv, needle, capsys):
+    """The trainers' own argparse refusals: one ``error:`` line naming the command and ``--help``, exit 2 (argparse
+    alone prints its usage block first: planted)."""
+    import argparse
+
+    from cosmos_framework_ext.recipe import train
+
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: python -m cosmos_framework_ext.recipe.train")
+    assert needle in err[0] and err[0].endswith("--help"), err
+    plain = argparse.ArgumentParser(prog="p")  # planted: argparse's own parser
+    plain.add_argument("--max-iter", type=int)
+    with pytest.raises(SystemExit):
+        plain.parse_args(["--max-iter", "abc"])
+    assert len(capsys.readouterr().err.strip().splitlines()) > 1
+
+
+def test_a_negative_value_after_a_space_says_to_use_equals(capsys):
+    from miles_ext.recipe.train import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--lr", "-1e-4"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "argument --lr: expected one argument" in line and "--lr=-1e-4" in line
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_lock_is_released(tmp_path):
+    """A real process trains a toy recipe (one step a second) and gets SIGINT after its first step: one
+    ``interrupted:`` line on stderr with the resume hint, exit 130, no traceback, no lock left. Planted: the same
+    process without ``cli`` ends in a traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "toy.py"
+    script.write_text(f'''
+import sys, time
+sys.path[:0] = [{str(Path(__file__).resolve().parents[1])!r}]
+from pathlib import Path
+from patches.core.errors import cli
+from patches.core.trainer import run
+from tests.test_core_skeleton import ToyRecipe
+
+class Slow(ToyRecipe):
+    def train_step(self, step):
+        print("step", step, flush=True)
+        time.sleep(1.0)
+        return super().train_step(step)
+
+recipe = Slow(Path(sys.argv[1]), 20)
+if sys.argv[2] == "cli":
+    sys.exit(cli(lambda: run(recipe) and 0, interrupted="run the same command to resume"))
+run(recipe)
+''')
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for mode in ("cli", "plain"):
+        p = subprocess.Popen([sys.executable, str(script), str(tmp_path / mode), mode], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+        while "step 0" not in p.stdout.readline():  # the progress bar shares the line (stdout)
+            assert p.poll() is None
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+        if mode == "cli":
+            lines = [x for x in err.splitlines() if x.strip() and "%|" not in x]
+            assert p.returncode == 130 and "Traceback" not in err, err
+            assert lines[-1] == "interrupted: stopped by Ctrl-C; run the same command to resume", lines
+            assert not (tmp_path / mode / ".onecard.lock").exists()
+        else:
+            assert "Traceback" in err and "KeyboardInterrupt" in err
+
+
+def test_a_live_lock_is_refused_before_the_expensive_checks(env, capsys):
+    """A run folder locked by a live process: ``--validate-only`` stops at the folder check with the holder named,
+    before any dataset row is read (the lock's holder is this very process, alive). ``check_unlocked`` by hand: no
+    file and a dead holder pass, a live holder and a fresh empty file are refused. Planted: a lock whose holder is
+    dead passes."""
+    import socket
+
+    from cosmos_framework_ext.recipe import train
+    from patches.core import lock
+    from tests.test_train import small_toml
+
+    toml = small_toml(env)
+    run_dir = env / "out" / "cosmos3" / "sft" / "vision_sft_edge_24gb"  # the TOML's [job] project/group/name
+    run_dir.mkdir(parents=True)
+    (run_dir / lock.LOCK_NAME).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    assert train.main(["--sft-toml", str(toml), "--validate-only"]) == 2
+    out = capsys.readouterr()
+    (line,) = out.err.strip().splitlines()
+    assert f"is in use by process {os.getpid()}" in line and "checking" not in out.out.lower(), (line, out.out)
+
+    folder = env / "by-hand"
+    folder.mkdir()
+    lock.check_unlocked(folder)  # no lock file
+    (folder / lock.LOCK_NAME).write_text("")
+    with pytest.raises(lock.RunLocked, match="not written yet"):
+        lock.check_unlocked(folder)
+    (folder / lock.LOCK_NAME).write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname()}))
+    lock.check_unlocked(folder)  # a dead holder: the run will take the lock over
+    (folder / lock.LOCK_NAME).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    with pytest.raises(lock.RunLocked, match="in use by process"):
+        lock.check_unlocked(folder)
+
+
+def test_unknown_preset_names_auto_and_an_empty_base_checkpoint_is_named(env, capsys):
+    from cosmos_framework_ext.recipe import train
+    from tests.test_train import small_toml
+
+    toml = small_toml(env, **{'preset       = "auto"': 'preset       = "edg"'})
+    assert train.main(["--sft-toml", str(toml), "--validate-only"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "[onecard].preset = 'edg' is unknown: use one of ['auto', 'edge', 'tiny']" in line
+    empty = env / "empty.pt"
+    empty.write_bytes(b"")
+    with pytest.raises(UserError, match="is an empty file"):
+        train._check_base_checkpoint(str(empty))
+    text = env / "text.pt"
+    text.write_text("not a checkpoint")
+    with pytest.raises(UserError, match=r"is not a torch checkpoint \(not the zip archive") as e:
+        train._check_base_checkpoint(str(text))
+    assert "mmap" not in str(e.value) and "please" not in str(e.value)

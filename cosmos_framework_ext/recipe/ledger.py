@@ -22,10 +22,11 @@ runs with both levers on, over the exact static components (``docs/ledger.md`` h
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 from typing import Any, Iterable
 
+from patches.core.errors import ArgumentParser
 from patches.core import flags as flagmod
 from patches.core.flags import EMA_CPU_SUBSET, FROZEN_BF16, LATENT_CACHE, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
 from patches.core.ledger import Item, Ledger, parse_budget
@@ -199,14 +200,18 @@ def summary_line(ledger: Ledger) -> dict[str, Any]:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m patches.ledger", description="Will this recipe fit the card? (memory ledger)")
+    ap = ArgumentParser(prog="python -m patches.ledger", description="Will this recipe fit the card? (memory ledger)")
     ap.add_argument("--toml", required=True, help="recipe TOML")
-    ap.add_argument("--budget-gib", default="22.06", help="usable GPU memory in GiB (default 22.06: a 24 GB A10G)")
+    ap.add_argument("--budget-gib", default=None,
+                    help="usable GPU memory in GiB (default: $BUDGET_GIB, else 22.06: a 24 GB A10G)")
     ap.add_argument("--preset", default="edge", help="model preset to size (default edge)")
     ap.add_argument("--world-size", type=int, default=1, help="ranks (NPROC_PER_NODE x NNODES); default 1")
     args = ap.parse_args(list(argv) if argv is not None else None)
     try:
-        budget = parse_budget(args.budget_gib)
+        if args.budget_gib is not None:
+            budget = parse_budget(args.budget_gib)
+        else:
+            budget = parse_budget(os.environ.get("BUDGET_GIB") or "22.06", "BUDGET_GIB")
         cfg = cfgmod.load(args.toml)
         env_flags = flagmod.read_all()
         ledger = cosmos_ledger(cfg, args.preset, env_flags, world_size=args.world_size)

@@ -20,6 +20,7 @@ from pathlib import Path
 from cosmos_framework_ext.levers.packing import plan
 from cosmos_framework_ext.recipe.data import CaptionTokenizer, SampleSource
 from cosmos_framework_ext.recipe.presets import PRESETS, get_preset
+from patches.core.errors import ArgumentParser
 from patches.core.data.rows import DatasetError, load_records
 from patches.core.data.sample_dataset import default_sample_dataset_root, prepare_sample_dataset
 from patches.core.io import atomic_write_text
@@ -49,7 +50,7 @@ _non_negative_int = _int_at_least(0)
 
 
 def _planner_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m cosmos_framework_ext.recipe.plan",
         description="Predict upstream sequence packing for our token cap vs the multi-GPU reference, "
         "and the grad accumulation giving the same samples per optimizer step.",

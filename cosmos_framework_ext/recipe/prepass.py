@@ -10,7 +10,6 @@ Exit 0, or 2 with one ``error:`` line on bad input (before anything is encoded).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from collections.abc import Sequence
@@ -19,8 +18,10 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cosmos_framework_ext.recipe.prepass",
-                                 description="Fill the latent cache (lever 4) for a recipe TOML.")
+    from patches.core.errors import ArgumentParser, cli
+
+    ap = ArgumentParser(prog="python -m cosmos_framework_ext.recipe.prepass",
+                        description="Fill the latent cache (lever 4) for a recipe TOML.")
     ap.add_argument("--toml", required=True, help="recipe TOML (as for the trainer's --sft-toml)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(list(argv) if argv is not None else None)
@@ -43,8 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 progress=not args.no_progress)
         if recipe.main_rank:
             print(report.line(), flush=True)
-
-    from patches.core.errors import cli
 
     return cli(fill)
 

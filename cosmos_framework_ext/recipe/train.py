@@ -45,7 +45,8 @@ from patches.core import flags as flagmod
 from patches.core import preflight as pf
 from patches.core import trainer as skeleton
 from patches.core.checkpoint import CheckpointManager, gather_full_state, load_full_state
-from patches.core.errors import UserError, cli
+from patches.core.lock import check_unlocked
+from patches.core.errors import ArgumentParser, UserError, cli
 from patches.core.host_arena import pinned_bytes_total
 from patches.core.runtime import GiB, host_rss, median, rank_world, stable_hash
 from patches.core.sampler import MemorySampler
@@ -60,7 +61,7 @@ from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.recipe.ledger import cosmos_ledger, summary_line
-from cosmos_framework_ext.recipe.presets import build_transformer, build_vae, get_preset, select_trainable
+from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
 from cosmos_framework_ext.levers.latent_cache import CacheItem, run_prepass
 from cosmos_framework_ext.recipe import vae as vaemod
@@ -110,10 +111,18 @@ def _check_base_checkpoint(load_path: str) -> None:
         if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
             raise UserError(f"BASE_CHECKPOINT_PATH={path} has a config.json but no *.safetensors or *.bin weights: {fix}")
         return
+    if path.is_file() and path.stat().st_size == 0:
+        raise UserError(f"BASE_CHECKPOINT_PATH={path} is an empty file: {fix}")
+    import zipfile
+
+    if path.is_file() and not zipfile.is_zipfile(path):
+        raise UserError(f"BASE_CHECKPOINT_PATH={path} is not a torch checkpoint (not the zip archive torch.save "
+                        f"writes): {fix}")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - any reader error: not a checkpoint we can read
-        raise UserError(f"BASE_CHECKPOINT_PATH={path} is not a readable torch checkpoint ({_one_line(e)}): {fix}") from None
+        why = _one_line(e).split(". ")[0]  # torch's first sentence; its advice on weights_only does not apply here
+        raise UserError(f"BASE_CHECKPOINT_PATH={path} is not a readable torch checkpoint ({why}): {fix}") from None
     model = blob.get("model") if isinstance(blob, dict) else None
     if not isinstance(model, dict) or not any(str(k).startswith("net.") for k in model):
         raise UserError(f"BASE_CHECKPOINT_PATH={path} holds no net.* tensors: {fix}")
@@ -321,6 +330,8 @@ class CosmosSFT(skeleton.Recipe):
         job = self.cfg.job
         self.run_dir = Path(os.environ.get("OUTPUT_ROOT") or "outputs/train") / job.project / job.group / job.name
         pf.check_writable(self.run_dir, "OUTPUT_ROOT")
+        if self.main_rank:
+            check_unlocked(self.run_dir)  # a second run stops here, not after its dataset and model checks
         if self.cache_lever:  # lever 4 writes the latent cache in its pre-pass, after the model is built
             check_cache_folder(flagmod.latent_cache_dir(), flagmod.LATENT_CACHE_DIR)
         pf.check_at_least(self.cfg.onecard.keep_checkpoints, 0, "[onecard] keep_checkpoints", "0 keeps every checkpoint")
@@ -372,6 +383,9 @@ class CosmosSFT(skeleton.Recipe):
         name = cfg.onecard.preset
         if name == "auto":
             name = "edge" if self.device.type == "cuda" else "tiny"
+        if name not in PRESETS:
+            raise UserError(f"{cfg.source}: [onecard].preset = {cfg.onecard.preset!r} is unknown: use one of "
+                            f"{['auto', *sorted(PRESETS)]} (auto: edge on a GPU, tiny on a CPU)")
         try:
             self.preset = get_preset(name)
             if cfg.model.ema.enabled:
@@ -849,7 +863,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m cosmos_framework_ext.recipe.train", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m cosmos_framework_ext.recipe.train", description=__doc__.split("\n")[0])
     ap.add_argument("--sft-toml", required=True, help="recipe TOML (upstream SFT schema + [onecard])")
     ap.add_argument("--max-iter", type=int, default=0, help="override [trainer].max_iter (0 = keep)")
     ap.add_argument("--no-save", action="store_true", help="write no checkpoint (benchmarks)")
@@ -870,7 +884,8 @@ def main(argv: list[str] | None = None) -> int:
         run(args)
 
     try:
-        return cli(train)
+        return cli(train, interrupted="checkpoints already written are kept; run the same command to resume from the "
+                                      "newest (without one, it starts again from iteration 0)")
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -261,7 +261,7 @@ def launcher_args(environ_value: str | None, argv: Sequence[str], cuda: bool) ->
 
     On a GPU: ``--fsdp-cpu-offload`` and, unless the setting is ``none`` or the trailing arguments already carry
     ``--fsdp-resident-blocks``, ``--fsdp-resident-blocks <RESIDENT_BLOCKS or auto>``. Without a GPU: nothing (every
-    block is resident on the CPU).
+    block is resident on the CPU; a ``RESIDENT_BLOCKS`` other than ``auto`` is said to be unused, on stderr).
 
     Raises:
         UserError: a bad ``RESIDENT_BLOCKS`` (:func:`patches.core.flags.parse_resident_blocks`), or both it and
@@ -273,6 +273,11 @@ def launcher_args(environ_value: str | None, argv: Sequence[str], cuda: bool) ->
         raise UserError(f"RESIDENT_BLOCKS={env} and --fsdp-resident-blocks both given: keep one")
     parsed = parse_resident_blocks(env or "auto", "RESIDENT_BLOCKS")
     if not cuda:
+        if env and env != "auto":
+            import sys
+
+            print(f"onecard: RESIDENT_BLOCKS={env} applies on a GPU only; without one every block stays on the CPU "
+                  "and the setting is not used", file=sys.stderr, flush=True)
         return []
     out = ["--fsdp-cpu-offload"]
     if parsed is not None and not given:

@@ -28,7 +28,6 @@ exit status 2, nothing written. The directory is built under a temporary name an
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -41,7 +40,7 @@ from typing import Any
 import torch
 
 from miles_ext.levers.finite_step import require_finite
-from patches.core.errors import UserError, cli
+from patches.core.errors import ArgumentParser, UserError, cli
 from patches.core.io import give_new_modes
 
 LORA_MARKERS = (".lora_A.", ".lora_B.")
@@ -285,7 +284,7 @@ def _write_adapter(tmp: Path, out: Path, config: Any, state: dict[str, torch.Ten
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m miles_ext.recipe.export_lora", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m miles_ext.recipe.export_lora", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="an H3 LoRA run's checkpoints/iter_<rollout, 9 digits>.pt")
     ap.add_argument("out_dir", help="new directory for the PEFT adapter")
     ap.add_argument("--comfyui", action="store_true",

@@ -36,11 +36,9 @@ Exit status 0, or 2 with one ``error:`` line on bad input.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
-import math
 import os
 import sys
 import time
@@ -52,8 +50,9 @@ import torch
 from miles_ext.levers.finite_step import NonFiniteGuard, require_finite
 from patches.core import preflight as pf
 from patches.core.checkpoint import CheckpointManager
+from patches.core.lock import check_unlocked
 from patches.core.config import DEFAULT_MEANING, add_arguments, check_meaning, from_namespace, meaning
-from patches.core.errors import UserError, cli
+from patches.core.errors import ArgumentParser, UserError, cli
 from patches.core.flags import is_whole_number
 from miles_ext.levers.host_checkpoint import host_full_state, load_host_state
 from patches.core.io import release_file_pages
@@ -250,6 +249,8 @@ class H3SFTRecipe(Recipe):
         self._check_residency_flags()
         self.master_port = _resolve_master_port(cfg)
         pf.check_writable(self.run_dir, "--output-dir")
+        if self.main_rank:
+            check_unlocked(self.run_dir)  # a second run stops here, not after its dataset and model checks
         check_cache_folder(cfg.cache_dir or latent_cache_dir(), "--cache-dir" if cfg.cache_dir else LATENT_CACHE_DIR)
         self._check_dataset()
         self._check_lora_targets()  # last: it imports diffusers' H3 model and PEFT (seconds)
@@ -672,7 +673,7 @@ def _say(line: str) -> None:
 # ---------------------------------------------------------------------------------------- entry point
 def parse_args(argv: list[str] | None = None) -> H3SFTConfig:
     """The command line as an :class:`H3SFTConfig` (flags built from its fields)."""
-    ap = argparse.ArgumentParser(prog="python -m miles_ext.recipe.train", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m miles_ext.recipe.train", description=__doc__.split("\n\n")[0])
     add_arguments(ap, H3SFTConfig)
     return from_namespace(H3SFTConfig, ap.parse_args(argv))
 
@@ -696,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     def train() -> None:
         run(parse_args(argv))
 
-    return cli(train)
+    return cli(train, interrupted="checkpoints already written are kept; run the same command to resume from the "
+                                  "newest (without one, it starts again from rollout 0)")
 
 
 if __name__ == "__main__":

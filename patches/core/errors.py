@@ -2,13 +2,15 @@
 
 Every recipe's bad-input exception (a TOML key, a dataset row, a flag value, a checkpoint that does not
 match) derives from :class:`UserError`, so a command line catches one type, prints ``error: <message>`` on
-stderr and exits 2 -- never a traceback for something the user can fix.
+stderr and exits 2 -- never a traceback for something the user can fix. :class:`ArgumentParser` does the same for
+argparse's own refusals (an unknown flag, a value of the wrong type), and :func:`cli` turns Ctrl-C into one line.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
 
 
 class UserError(ValueError):
@@ -24,15 +26,38 @@ class UpstreamMismatch(RuntimeError):
 EXIT_USER_ERROR = 2
 """Exit status of every onecard command on a :class:`UserError`."""
 
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, the shell's convention)."""
 
-def cli(main: Callable[[], int | None]) -> int:
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose refusals are one ``error:`` line, exit status 2.
+
+    argparse prints its usage block and then ``prog: error: ...``; this prints ``error: <prog>: <message>; see <prog>
+    --help`` only. A value that starts with ``-`` (``--lr -1e-4``) reads to argparse as a flag; the line then says to
+    write it with ``=`` (``--lr=-1e-4``).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        if "expected one argument" in message:
+            hint = " (a value that starts with '-' goes with '=', e.g. --lr=-1e-4)"
+        self.exit(EXIT_USER_ERROR, f"error: {self.prog}: {message}{hint}; see {self.prog} --help\n")
+
+
+def cli(main: Callable[[], int | None], interrupted: str = "") -> int:
     """Run ``main()``; a :class:`UserError` prints one ``error:`` line and returns :data:`EXIT_USER_ERROR`.
 
-    Returns ``main``'s own status (``None`` counts as 0). Any other exception propagates (a bug, not bad
-    input).
+    Ctrl-C (``KeyboardInterrupt``) prints one ``interrupted:`` line, followed by ``interrupted`` (what the user can
+    do next, e.g. how to resume) when given, and returns :data:`EXIT_INTERRUPTED`; the ``with`` blocks inside
+    ``main`` have closed by then (the run lock released, temporaries removed). Returns ``main``'s own status
+    (``None`` counts as 0). Any other exception propagates (a bug, not bad input).
     """
     try:
         return int(main() or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: stopped by Ctrl-C{'; ' + interrupted if interrupted else ''}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED

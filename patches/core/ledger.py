@@ -102,12 +102,13 @@ class Ledger:
         }
 
 
-def parse_budget(text: str) -> int:
-    """``--budget-gib`` text -> bytes; raises ``ValueError`` naming the fix for a non-positive or non-number."""
+def parse_budget(text: str, name: str = "--budget-gib") -> int:
+    """``--budget-gib`` (or the variable ``name``) text -> bytes; raises ``ValueError`` naming ``name`` and the fix
+    for a non-positive or non-number."""
     try:
         gib = float(text)
     except ValueError:
-        raise ValueError(f"--budget-gib {text!r} is not a number: give the card's usable GiB, e.g. 22.06") from None
+        raise ValueError(f"{name} {text!r} is not a number: give the card's usable GiB, e.g. 22.06") from None
     if not gib > 0 or gib != gib or gib == float("inf"):
-        raise ValueError(f"--budget-gib {text!r} must be a positive number of GiB, e.g. 22.06")
+        raise ValueError(f"{name} {text!r} must be a positive number of GiB, e.g. 22.06")
     return int(gib * GiB)

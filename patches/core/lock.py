@@ -76,32 +76,56 @@ def hold_run_lock(run_dir: str | Path, enabled: bool = True) -> Iterator[Path | 
                 break
 
 
+def _holder(path: Path) -> tuple[str, str]:
+    """Who holds the lock file ``path``: ``("free", "")`` (no file), ``("stale", why)`` (a dead process on this host,
+    or empty/unreadable for :data:`EMPTY_GRACE_S` or more: may be taken over), ``("held", message)`` (a live holder,
+    any holder on another host, or a file created moments ago and not written yet)."""
+    try:
+        holder = json.loads(path.read_text() or "null")
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return "free", ""
+    except (OSError, ValueError):
+        try:
+            holder, age = None, time.time() - path.stat().st_mtime
+        except FileNotFoundError:
+            return "free", ""
+    if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
+        if age >= EMPTY_GRACE_S:
+            return "stale", f"empty or unreadable for {age:.0f} s: its holder died while creating it"
+        return "held", (f"{path.parent} is being locked by another run right now (lock {path} was created "
+                        f"{age:.1f} s ago and is not written yet): wait a few seconds and try again")
+    pid, host = holder["pid"], str(holder.get("host", "?"))
+    if host == socket.gethostname() and pid > 0 and not _alive(pid):
+        return "stale", f"process {pid} no longer exists"
+    return "held", (f"{path.parent} is in use by process {pid} on {host} (lock {path}): wait for that run "
+                    f"to end, or use another output folder; if no such process exists, delete {path}")
+
+
+def check_unlocked(run_dir: str | Path) -> None:
+    """Refuse early, without taking it, a run folder whose lock a live run holds (a stale lock passes: the run will
+    take it over). Called by the recipes' input checks, so a second run stops before its expensive checks.
+
+    Raises:
+        RunLocked: as :func:`hold_run_lock` would.
+    """
+    state, message = _holder(Path(run_dir) / LOCK_NAME)
+    if state == "held":
+        raise RunLocked(message)
+
+
 def _hold(path: Path) -> Iterator[Path]:
     for _ in range(2):
         if _try_create(path):
             break
-        try:
-            holder = json.loads(path.read_text() or "null")
-            age = time.time() - path.stat().st_mtime
-        except FileNotFoundError:
+        state, message = _holder(path)
+        if state == "free":
             continue  # its holder just let it go
-        except (OSError, ValueError):
-            holder, age = None, time.time() - path.stat().st_mtime
-        if not isinstance(holder, dict) or not isinstance(holder.get("pid"), int):
-            if age >= EMPTY_GRACE_S:
-                print(f"onecard: removing stale lock {path} (empty or unreadable for {age:.0f} s: its holder died "
-                      "while creating it)", flush=True)
-                path.unlink(missing_ok=True)
-                continue
-            raise RunLocked(f"{path.parent} is being locked by another run right now (lock {path} was created "
-                            f"{age:.1f} s ago and is not written yet): wait a few seconds and try again")
-        pid, host = holder["pid"], str(holder.get("host", "?"))
-        if host == socket.gethostname() and pid > 0 and not _alive(pid):
-            print(f"onecard: removing stale lock {path} (process {pid} no longer exists)", flush=True)
+        if state == "stale":
+            print(f"onecard: removing stale lock {path} ({message})", flush=True)
             path.unlink(missing_ok=True)
             continue
-        raise RunLocked(f"{path.parent} is in use by process {pid} on {host} (lock {path}): wait for that run "
-                        f"to end, or use another output folder; if no such process exists, delete {path}")
+        raise RunLocked(message)
     else:
         raise RunLocked(f"cannot take the lock {path}: delete it if no run is using {path.parent}")
     try:

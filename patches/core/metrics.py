@@ -8,8 +8,11 @@
 ``loss``, ``lr``, ``grad_norm``, ``step_s`` (seconds of the optimizer step), ``samples_per_s``,
 ``gpu_allocated_gib`` / ``gpu_reserved_gib`` (peak during the step, GiB), ``host_rss_gib`` (after the step, GiB).
 
-The writer queues events for a background thread (``SummaryWriter``'s own), so a step pays microseconds per scalar;
-only rank 0 writes. A run resumed from a checkpoint appends to the same folder, at the steps it trains.
+The writer queues events for a background thread (``SummaryWriter``'s own), so a step pays well under a millisecond
+(``benchmarks/metrics_cost.py``); only rank 0 writes. A run resumed from a checkpoint appends to the same folder, at
+the steps it trains. The writer opens at the first logged step with ``purge_step`` set to it, so the steps of a run
+that was killed after its last checkpoint, and are now trained again, are shown once (TensorBoard hides the
+earlier events at or after that step).
 """
 
 from __future__ import annotations
@@ -37,16 +40,14 @@ class MetricsLog:
     def __init__(self, run_dir: str | Path, *, enabled: bool = True, config: Mapping[str, Any] | None = None):
         self.dir = Path(run_dir) / "tensorboard"
         self.enabled = enabled
+        self.config = dict(config or {})
         self._tb = None
         self._wandb = None
         if not enabled:
             return
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # imported here: a failing import fails before training
 
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._tb = SummaryWriter(log_dir=str(self.dir), flush_secs=30)
-        if config:
-            self._tb.add_text("settings", "\n".join(f"    {k}: {v}" for k, v in sorted(config.items())), 0)
+        self._writer_cls = SummaryWriter
         project = os.environ.get("WANDB_PROJECT", "").strip()
         if project:
             try:
@@ -55,8 +56,16 @@ class MetricsLog:
                 print("onecard: WANDB_PROJECT is set but wandb is not installed: metrics go to TensorBoard only",
                       flush=True)
             else:
-                self._wandb = wandb.init(project=project, dir=str(self.dir.parent), config=dict(config or {}),
+                self._wandb = wandb.init(project=project, dir=str(self.dir.parent), config=self.config,
                                          resume="allow")
+
+    def _open(self, first_step: int) -> None:
+        """The event writer, opened at the first logged step: events a killed run wrote at ``first_step`` or later
+        are purged from TensorBoard's view (``SummaryWriter(purge_step=...)``)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._tb = self._writer_cls(log_dir=str(self.dir), flush_secs=30, purge_step=first_step)
+        if self.config:
+            self._tb.add_text("settings", "\n".join(f"    {k}: {v}" for k, v in sorted(self.config.items())), first_step)
 
     def log(self, step: int, scalars: Mapping[str, float | None]) -> None:
         """Write ``scalars`` (``None`` and non-numbers skipped; NaN/inf written, TensorBoard shows them) at
@@ -64,6 +73,8 @@ class MetricsLog:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in scalars.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is None:
+            self._open(step)
         for name, value in clean.items():
             self._tb.add_scalar(f"train/{name}", value, step)
         if self._wandb is not None:

@@ -32,10 +32,11 @@ import abc
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from . import settings as settingsmod
 from .checkpoint import CheckpointManager
@@ -267,6 +268,9 @@ def resume(recipe: Recipe) -> int:
     found = recipe.checkpoints.load_latest(on_damaged=lambda msg: _report(recipe, f"warning: {msg}"),
                                            validate=recipe.checkpoint_problem)
     if found is None:
+        if recipe.checkpoints.dir.exists() or (recipe.run_dir / "tensorboard").exists():
+            _report(recipe, f"no checkpoint in {recipe.checkpoints.dir}: an earlier run here saved none, so this one "
+                            f"starts at {recipe.unit} 0", file=sys.stdout)
         recipe.warm_start()
         return 0
     path, state = found
@@ -279,6 +283,25 @@ def resume(recipe: Recipe) -> int:
     return start
 
 
+DIVERGED_RATIO = 1000.0
+"""A loss this many times the run's first positive loss (or a non-finite loss) is reported as a diverging run."""
+
+
+def divergence(losses: Sequence[float]) -> str | None:
+    """Why the losses so far say the run diverges, or ``None``: the newest loss is non-finite, or above
+    :data:`DIVERGED_RATIO` times the first finite positive loss of the run (random-init losses move by a few times at
+    most; a learning rate far too high multiplies them by 1e6 and more within a few steps)."""
+    if not losses:
+        return None
+    last = losses[-1]
+    if not math.isfinite(last):
+        return f"the loss is {last}"
+    ref = next((x for x in losses if math.isfinite(x) and x > 0), None)
+    if ref is not None and last > DIVERGED_RATIO * ref:
+        return f"the loss rose from {ref:.4g} to {last:.4g}"
+    return None
+
+
 def loop(recipe: Recipe, start: int) -> tuple[list[StepResult], Path | None]:
     """Step 4: train ``start .. max_steps``; returns the step results and the last checkpoint written."""
     from tqdm import tqdm
@@ -287,6 +310,7 @@ def loop(recipe: Recipe, start: int) -> tuple[list[StepResult], Path | None]:
 
     results: list[StepResult] = []
     last: Path | None = None
+    warned = False
     recipe.metrics = MetricsLog(recipe.run_dir, enabled=recipe.main_rank, config=recipe.training_settings())
     bar = tqdm(total=recipe.max_steps, initial=start, disable=not recipe.main_rank, dynamic_ncols=True,
                file=sys.stdout, unit=recipe.unit)
@@ -299,6 +323,11 @@ def loop(recipe: Recipe, start: int) -> tuple[list[StepResult], Path | None]:
             bar.set_postfix(loss=f"{r.loss:.4f}", s_step=f"{r.seconds:.2f}", **r.postfix, refresh=False)
             bar.update(1)
             done = step + 1
+            why = None if warned else divergence([x.loss for x in results])
+            if why:
+                warned = True
+                _report(recipe, f"warning: {why} at {recipe.unit} {done}: the run is diverging (a learning rate far "
+                                "too high?); it goes on as configured")
             if recipe.save_due(done):
                 state = recipe.state_dict()  # every rank: gathering a sharded state is collective
                 state[settingsmod.KEY] = recipe.training_settings()
