@@ -18,6 +18,7 @@ import torch
 from patches.core import config as coreconfig
 from patches.core.checkpoint import CheckpointManager
 from patches.core.errors import UserError
+from patches.core.trainer import Recipe
 
 from tests.test_train import env  # noqa: F401 - the fixture: a private output folder, the tiny sample dataset
 
@@ -118,6 +119,8 @@ class _Tiny:
 
     recipe_name = "cosmos3-edge"
     checkpoint_keys = ("model", "optimizer", "scheduler", "iteration", "micro_batches_consumed")
+    checkpoint_types = {"model": dict, "optimizer": dict, "scheduler": dict, "iteration": int,
+                        "micro_batches_consumed": int}
     checkpoint_problem = _R.checkpoint_problem
 
 
@@ -129,7 +132,11 @@ GOOD = {"model": {}, "optimizer": {}, "scheduler": {}, "iteration": 2, "micro_ba
     ({}, "lacks ['model'"), ([1, 2], "holds a list"),
     ({**GOOD, "onecard_recipe": "minimax-h3"}, "it is a minimax-h3 checkpoint, this run is cosmos3-edge"),
     ({"lora": {}, "lora_meta": {}, "optimizer": {}, "rollout": 1}, "lacks ['model', 'scheduler'"),
-], ids=["empty-dict", "a-list", "another-recipe-tagged", "another-recipe-untagged"])
+    ({**GOOD, "iteration": -3}, "its 'iteration' is int '-3', not a whole number >= 0"),
+    ({**GOOD, "iteration": True}, "its 'iteration' is bool"),
+    ({**GOOD, "model": [1]}, "its 'model' is list"),
+], ids=["empty-dict", "a-list", "another-recipe-tagged", "another-recipe-untagged", "negative-step", "bool-step",
+        "model-a-list"])
 def test_a_newest_file_that_is_not_this_runs_checkpoint_falls_back(tmp_path, newest, why):
     cm = CheckpointManager(tmp_path)
     cm.save(2, GOOD)
@@ -184,6 +191,8 @@ class _SpaceRecipe:
 
     def save_due(self, done: int) -> bool:
         return done % 2 == 0
+
+    saves_between = Recipe.saves_between
 
 
 def test_too_little_free_space_is_refused_before_training(tmp_path, monkeypatch):
@@ -457,3 +466,282 @@ def test_unknown_preset_names_auto_and_an_empty_base_checkpoint_is_named(env, ca
     with pytest.raises(UserError, match=r"is not a torch checkpoint \(not the zip archive") as e:
         train._check_base_checkpoint(str(text))
     assert "mmap" not in str(e.value) and "please" not in str(e.value)
+
+
+def test_saves_between_by_arithmetic_equals_counting():
+    """The recipes' arithmetic count of checkpoints equals :meth:`save_due` counted one by one (the skeleton's
+    default), for every start/end/save_iter of a small grid, so that ``--max-iter 10**11`` checks in no time."""
+    from types import SimpleNamespace
+
+    from cosmos_framework_ext.recipe.train import CosmosSFT
+
+
+    for every in (1, 2, 3, 7):
+        for start in range(0, 9):
+            for end in range(start, 16):
+                r = CosmosSFT.__new__(CosmosSFT)
+                r.args = SimpleNamespace(no_save=False)
+                r.cfg = SimpleNamespace(checkpoint=SimpleNamespace(save_iter=every))
+                for r.max_steps in (end, 16):  # a count up to the last step, and one that ends before it
+                    assert r.saves_between(start, end) == Recipe.saves_between(r, start, end), (every, start, end)
+    r.max_steps, r.cfg.checkpoint.save_iter = 10**11, 100
+    assert r.saves_between(0, 10**11) == 10**9
+
+
+# ------------------------------------------------------------------ 9. settings the embedded trainer would not honour
+HONOURED_BAD = [
+    ('precision                    = "bfloat16"', 'precision                    = "float16"',
+     "[model].precision = 'float16' is not implemented"),
+    ('distributed_parallelism = "fsdp"', 'distributed_parallelism = "ddp"', "distributed_parallelism = 'ddp'"),
+    ('joint_attn_implementation    = "two_way"', 'joint_attn_implementation    = "one_way"', "'one_way' is not implemented"),
+    ('mode                = "full"', 'mode                = "selective"', "mode = 'selective' is not implemented"),
+    ("data_parallel_replicate_degree  = 1", "data_parallel_replicate_degree  = 2", "shards over every rank"),
+    ("data_parallel_shard_degree      = -1", "data_parallel_shard_degree      = 4", "use -1 (or the world size, 1)"),
+    ("f_max              = [1.0]", "f_max              = [0.0]", "the learning rate would stay 0"),
+    ("lr             = 1.0e-4", "lr             = 2.0", "is above 1"),
+    ("weight_decay   = 0", "weight_decay   = 20000", "decay factor 1 - lr x weight_decay would zero or flip"),
+    ('keys_to_select = ["moe_gen",', 'keys_to_select = [" ", "moe_gen",', "holds an empty pattern"),
+    ('name         = "vision_sft_edge_24gb"', 'name         = "../elsewhere"', "[job].name = '../elsewhere' must be one plain"),
+    ('group        = "sft"', 'group        = ".."', "[job].group = '..' must be one plain folder name"),
+    ('project      = "cosmos3"', f'project      = "{"p" * 256}"', "at most 255 bytes"),
+]
+
+
+@pytest.mark.parametrize("old,new,needle", HONOURED_BAD, ids=[n[:32] for *_, n in HONOURED_BAD])
+def test_cosmos_settings_it_would_not_honour_are_one_line(env, capsys, old, new, needle):
+    """A TOML value of the right type that the embedded trainer would silently not do (or that makes no sense
+    with another): one ``error:`` line from ``--validate-only``, nothing written."""
+    from cosmos_framework_ext.recipe import train
+    from tests.test_train import small_toml
+
+    toml = small_toml(env, **{old: new})
+    assert train.main(["--sft-toml", str(toml), "--validate-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert not (env / "out").exists()
+
+
+def test_planted_without_the_honoured_check_a_float16_run_passes(env, capsys, monkeypatch):
+    """Planted: without :meth:`_check_honoured`, ``precision = "float16"`` passes ``--validate-only`` (and the
+    trainer would run fp32 on the CPU, bf16 nowhere, as the user did not ask)."""
+    from cosmos_framework_ext.recipe import train
+    from tests.test_train import small_toml
+
+    monkeypatch.setattr(train.CosmosSFT, "_check_honoured", lambda self: None)
+    toml = small_toml(env, **{HONOURED_BAD[0][0]: HONOURED_BAD[0][1]})
+    assert train.main(["--sft-toml", str(toml), "--validate-only"]) == 0
+
+
+# ------------------------------------------------------------------ 10. inputs whose files mean something wrong
+def _vae_dir(root: Path, raw: str | None = None, **stats) -> Path:
+    """A diffusers-format VAE folder's ``config.json`` (the tiny preset's), with ``stats`` swapped in."""
+    from cosmos_framework_ext.recipe.presets import PRESETS
+
+    vae = PRESETS["tiny"].vae
+    z = vae["z_dim"]
+    config = {"_class_name": "AutoencoderKLWan", **vae, "latents_mean": [0.0] * z, "latents_std": [1.0] * z}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(raw if raw is not None else json.dumps({**config, **stats}))
+    return root
+
+
+@pytest.mark.parametrize("raw,stats,needle", [
+    ("[1, 2]", {}, "holds a list, not an object"),
+    (None, {"latents_std": "nan"}, "latents_std must list"),
+    (None, {"latents_std": True}, "latents_std must list"),
+    (None, {"latents_std": 0.0}, "above 1e-6 (latents are divided by it)"),
+    (None, {"latents_mean": math.inf}, "latents_mean must hold finite numbers"),
+], ids=["not-an-object", "std-a-string", "std-bools", "std-zero", "mean-inf"])
+def test_a_vae_config_with_meaningless_statistics_is_refused(tmp_path, raw, stats, needle):
+    from cosmos_framework_ext.recipe import train
+    from cosmos_framework_ext.recipe.presets import PRESETS
+
+    preset = PRESETS["tiny"]
+    z = preset.vae["z_dim"]
+    stats = {k: (v if isinstance(v, str) else [v] * z) for k, v in stats.items()}  # one value per latent channel
+    with pytest.raises(UserError) as e:
+        train._check_vae_dir(str(_vae_dir(tmp_path / "vae", raw, **stats)), preset)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert train._check_vae_dir(str(_vae_dir(tmp_path / "good")), preset)["z_dim"] == z  # the fixture itself passes
+
+
+def _tiny_net_state():
+    from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer
+
+    return build_transformer(PRESETS["tiny"], device="meta").state_dict()
+
+
+def test_a_base_state_of_another_shape_or_not_a_tensor_is_named():
+    from cosmos_framework_ext.recipe import train
+
+    expected = _tiny_net_state()
+    name, want = next((k, v) for k, v in expected.items() if v.dim() == 2)
+    good = {name: torch.zeros(want.shape)}
+    assert train._base_state_problem(good, expected) is None
+    assert "has shape [" in train._base_state_problem({name: torch.zeros(want.shape[0], want.shape[1] + 1)}, expected)
+    assert "is a list, not a tensor" in train._base_state_problem({name: [0.0]}, expected)
+    assert "is not a parameter or buffer" in train._base_state_problem({"nowhere.weight": torch.zeros(1)}, expected)
+
+
+@pytest.mark.parametrize("kind", ["wrong-shape", "nan"])
+def test_a_base_checkpoint_of_another_shape_or_with_nan_is_one_line(env, capsys, kind):
+    """An onecard checkpoint whose ``net.*`` tensors do not fit the preset is refused by ``--validate-only`` (read
+    memory-mapped against the meta model); one holding NaN is refused when the weights load, before step 1."""
+    from cosmos_framework_ext.recipe import train
+    from tests.test_train import small_toml
+
+    expected = _tiny_net_state()
+    name, want = next((k, v) for k, v in expected.items() if v.dim() == 2 and v.is_floating_point())
+    value = torch.zeros(want.shape[0] + 1, want.shape[1]) if kind == "wrong-shape" else torch.full(want.shape, math.nan)
+    ckpt = env / "base.pt"
+    torch.save({"model": {f"net.{name}": value}}, ckpt)
+    toml = small_toml(env)
+    os.environ["BASE_CHECKPOINT_PATH"] = str(ckpt)
+    try:
+        rc = train.main(["--sft-toml", str(toml), *(["--validate-only"] if kind == "wrong-shape" else [])])
+    finally:
+        del os.environ["BASE_CHECKPOINT_PATH"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("error: BASE_CHECKPOINT_PATH="), err
+    assert ("has shape" if kind == "wrong-shape" else "holds non-finite values") in err[-1], err
+    assert not list((env / "out").rglob("iter_*.pt"))
+
+
+def test_row_frame_rate_and_size_are_checked_by_meaning(tmp_path):
+    from patches.core.data import rows
+
+    for bad, needle in (({"fps": 0.01}, "'fps' must be a frame rate between 0.1 and 1000"),
+                        ({"fps": 1e9}, "between 0.1 and 1000"),
+                        ({"width": 10**6}, "from 1 to 65536"), ({"height": 0}, "from 1 to 65536")):
+        row = {"video": "a.mp4", "caption": "c", "fps": 24, "width": 64, "height": 64, "windows": [[0, 4]], **bad}
+        with pytest.raises(rows.DatasetError, match=needle):
+            rows._parse_row(row, 0, 1, tmp_path / "train.jsonl", tmp_path, max_frames=None, frame_counts={})
+
+
+# ------------------------------------------------------------------ 11. the skeleton: folders, divergence, warm start
+def test_a_lock_path_that_is_a_folder_or_names_a_huge_pid_is_said(tmp_path):
+    from patches.core import lock as lockmod
+
+    path = tmp_path / lockmod.LOCK_NAME
+    path.mkdir()
+    state, why = lockmod._holder(path)
+    assert state == "held" and "is a folder, not a lock file: remove it (rmdir)" in why
+    with pytest.raises(lockmod.RunLocked, match="is a folder"):
+        lockmod.check_unlocked(tmp_path)
+    path.rmdir()
+    assert lockmod._alive(2**80) is False  # os.kill raises OverflowError: no process has that pid
+    import socket
+
+    path.write_text(json.dumps({"pid": 2**80, "host": socket.gethostname(), "time": time.time()}))
+    assert lockmod._holder(path)[0] == "stale"
+
+
+def test_a_checkpoint_folder_that_is_not_writable_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    """The probe file cannot be made (as for a read-only folder; the tests may run as root, so the refusal is
+    simulated at ``tempfile.mkstemp``): one ``error:`` line, no step trained."""
+    import errno
+    import tempfile
+
+    from tests.test_core_skeleton import ToyRecipe, run_toy
+
+    recipe = ToyRecipe(tmp_path, 3)
+    recipe.checkpoints.dir.mkdir(parents=True)
+    trained = []
+    real_step = recipe.train_step
+    recipe.train_step = lambda step: trained.append(step) or real_step(step)
+
+    def refuse(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    assert run_toy(recipe) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the checkpoint folder ") and "is not writable (Permission denied)" in err[-1]
+    assert trained == []
+    monkeypatch.undo()
+    assert run_toy(ToyRecipe(tmp_path, 3)) == 0  # planted: the same folder, writable, trains
+
+
+def test_a_run_whose_every_loss_is_non_finite_does_not_say_it_finished(tmp_path, capsys):
+    from patches.core.trainer import StepResult
+    from tests.test_core_skeleton import ToyRecipe, run_toy
+
+    class NaNToy(ToyRecipe):
+        def train_step(self, step):
+            super().train_step(step)
+            return StepResult(loss=math.nan if step else math.inf, samples=1, seconds=0.01)
+
+    assert run_toy(NaNToy(tmp_path / "nan", 3)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "every one of this run's 3 step(s) had a non-finite loss" in err[-1], err
+    assert not (tmp_path / "nan" / "summary.json").exists()
+
+    class OneFinite(NaNToy):  # planted: one finite step is a run that learned something
+        def train_step(self, step):
+            r = super().train_step(step)
+            return StepResult(loss=1.0, samples=1, seconds=0.01) if step == 1 else r
+
+    assert run_toy(OneFinite(tmp_path / "one", 3)) == 0
+
+
+def test_a_warm_start_on_a_resumed_run_is_said_unused(tmp_path, capsys):
+    from tests.test_core_skeleton import ToyRecipe, run_toy
+
+    assert run_toy(ToyRecipe(tmp_path, 2)) == 0
+    capsys.readouterr()
+
+    class Warm(ToyRecipe):
+        def warm_start_source(self):
+            return "BASE=base.pt"
+
+    assert run_toy(Warm(tmp_path, 3)) == 0
+    out = capsys.readouterr().out
+    assert "BASE=base.pt is not used: the run resumes from its own checkpoint iter_000000002.pt" in out
+    assert run_toy(ToyRecipe(tmp_path, 4)) == 0 and "is not used" not in capsys.readouterr().out  # none named
+
+
+def test_cosmos_does_not_save_nan_weights(env, capsys, monkeypatch):
+    """A run whose trained weights turn NaN (forced here after the first step) stops at its save with one line;
+    no checkpoint of the NaN weights is written."""
+    from cosmos_framework_ext.recipe import train
+    from tests.test_train import small_toml
+
+    real = train.CosmosSFT.train_step
+
+    def poisoned(self, step):
+        r = real(self, step)
+        with torch.no_grad():
+            next(p for n, p in self.model.named_parameters() if p.requires_grad).fill_(math.nan)
+        return r
+
+    monkeypatch.setattr(train.CosmosSFT, "train_step", poisoned)
+    toml = small_toml(env)
+    assert train.main(["--sft-toml", str(toml), "--max-iter", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "the trained weights hold NaN or inf after iteration 2" in err[-1], err
+    assert not list((env / "out").rglob("iter_*.pt"))
+
+
+def test_rows_that_fit_the_cap_only_without_their_caption_are_said(env, capsys):
+    """A cap between the smallest caption-dropped and the smallest captioned sample: refused (only the dropped
+    copies would train); a cap that fits some rows only without their caption: one ``onecard:`` line."""
+    from cosmos_framework_ext.levers import packing
+    from cosmos_framework_ext.recipe import train
+    from tests.test_train import small_toml
+
+    toml = small_toml(env)
+    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml)]))
+    recipe.preflight()  # its own check passes at the recipe's cap, and leaves the samples as recipe.source
+    check = type(recipe)._check_source
+    n = len(recipe.source)
+    dropped = [recipe.source.min_token_count(i) for i in range(n)]
+    kept = [recipe.source.min_token_count(i, dropped=False) for i in range(n)]
+    assert all(d <= k for d, k in zip(dropped, kept)) and min(dropped) < min(kept) < max(kept), (dropped, kept)
+    recipe.cap = min(kept)  # strict fit: no captioned sample fits, the smallest dropped one does
+    with pytest.raises(packing.PackingError, match="below every sample with its caption"):
+        check(recipe)
+    recipe.cap = max(kept)  # the largest captioned sample does not fit, the others do
+    capsys.readouterr()
+    check(recipe)
+    out = capsys.readouterr().out
+    assert "fit the packing cap" in out and "only with their caption dropped" in out, out

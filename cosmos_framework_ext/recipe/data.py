@@ -359,9 +359,10 @@ class SampleSource:
         """Largest token count record ``i`` can have: max over its windows, full caption."""
         return sum(self._count(i, self._max_window(i), False))
 
-    def min_token_count(self, i: int) -> int:
-        """Smallest token count an access of record ``i`` can have: min over its windows, caption dropped."""
-        return min(sum(self._count(i, w, True)) for w in range(len(self.records[i].windows)))
+    def min_token_count(self, i: int, dropped: bool = True) -> int:
+        """Smallest token count an access of record ``i`` can have: min over its windows, caption dropped (or, with
+        ``dropped=False``, kept)."""
+        return min(sum(self._count(i, w, dropped)) for w in range(len(self.records[i].windows)))
 
     def sample(self, i: int, epoch: int) -> SftSample:
         """The :class:`SftSample` of access ``(i, epoch)``; its video is decoded on first use."""

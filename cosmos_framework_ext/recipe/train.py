@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import logging
 import os
 import sys
@@ -78,7 +79,7 @@ log = logging.getLogger("onecard.train")
 # ---------------------------------------------------------------------------------------------- helpers
 def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Deterministic (seed, iteration, micro-batch) draw: logit-normal sigmas [n] and Gaussian noise."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + iteration) * 1_009 + micro)
+    g = torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_009 + micro) % (1 << 63))  # any 63-bit seed
     sigmas = torch.sigmoid(torch.randn(len(shapes), generator=g))
     noise = [torch.randn(s, generator=g) for s in shapes]
     return sigmas, noise
@@ -152,6 +153,9 @@ def _check_vae_dir(vae_path: str, preset) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise UserError(f"WAN_VAE_PATH={path} has no readable config.json ({_one_line(e)}): point it at a "
                         "diffusers-format AutoencoderKLWan directory") from None
+    if not isinstance(config, dict):
+        raise UserError(f"WAN_VAE_PATH={path}: config.json holds a {type(config).__name__}, not an object: point it at a "
+                        "diffusers-format AutoencoderKLWan directory")
     name = config.get("_class_name", "AutoencoderKLWan")
     if name != "AutoencoderKLWan":
         raise UserError(f"WAN_VAE_PATH={path} holds a {name}, not an AutoencoderKLWan (Wan2.2)")
@@ -166,8 +170,14 @@ def _check_vae_dir(vae_path: str, preset) -> dict[str, Any]:
                         f"the Wan2.2 VAE of preset {preset.name!r}, or unset WAN_VAE_PATH")
     z = preset.vae["z_dim"]
     for k in _VAE_STATS:
-        if not (isinstance(config.get(k), list) and len(config[k]) == z):
+        values = config.get(k)
+        if not (isinstance(values, list) and len(values) == z
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in values)):
             raise UserError(f"WAN_VAE_PATH={path}: config.json {k} must list {z} numbers (one per latent channel)")
+        if not all(math.isfinite(x) for x in values) or (k == "latents_std" and not all(x > 1e-6 for x in values)):
+            raise UserError(f"WAN_VAE_PATH={path}: config.json {k} must hold finite numbers"
+                            + (" above 1e-6 (latents are divided by it)" if k == "latents_std" else "")
+                            + f", not {[x for x in values if not (math.isfinite(x) and (k != 'latents_std' or x > 1e-6))][:3]}")
     return config
 
 
@@ -193,10 +203,30 @@ def _load_base(model: torch.nn.Module, load_path: str, skip: list[str], dtype: t
         if not state:
             raise UserError(f"{path} holds no net.* tensors: pass an onecard checkpoint or a diffusers directory")
     state = {k: v for k, v in state.items() if not any(s in f"net.{k}" for s in skip)}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected:
-        raise UserError(f"{path} does not match the preset's architecture: unexpected keys {unexpected[:3]}...")
+    problem = _base_state_problem(state, model.state_dict())
+    if problem:
+        raise UserError(f"BASE_CHECKPOINT_PATH={path}: {problem}: pass a checkpoint of the preset's architecture, "
+                        "or unset it for random init")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise UserError(f"BASE_CHECKPOINT_PATH={path} holds non-finite values (NaN or inf) in {len(bad)} tensor(s), "
+                        f"e.g. {bad[0]}: training from it would be NaN; pass a finite checkpoint")
+    missing, _ = model.load_state_dict(state, strict=False)
     return f"loaded {len(state)} tensors from {path} ({len(missing)} left at random init)"
+
+
+def _base_state_problem(state: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    """Why ``state`` (``net.`` stripped) cannot load into a model whose ``state_dict()`` (or meta-device parameter
+    shapes) is ``expected``: a value that is not a tensor, a key the model lacks, or another shape."""
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor):
+            return f"net.{k} is a {type(v).__name__}, not a tensor"
+        if k not in expected:
+            return f"net.{k} is not a parameter or buffer of the preset's architecture"
+        want = tuple(expected[k].shape)
+        if tuple(v.shape) != want:
+            return f"net.{k} has shape {list(v.shape)}, the preset's is {list(want)}"
+    return None
 
 
 def _load_vae_weights(vae: torch.nn.Module, vae_path: str) -> str:
@@ -239,6 +269,12 @@ def _launch_world() -> int:
         if not flagmod.is_whole_number(raw) or int(raw) < 1:
             raise UserError(f"{var}={raw} is not a whole number >= 1")
         world *= int(raw)
+    procs = int(os.environ.get("NPROC_PER_NODE") or "1")
+    if torch.cuda.is_available() and procs > torch.cuda.device_count():
+        raise UserError(f"NPROC_PER_NODE={procs} is more than this node's {torch.cuda.device_count()} GPUs: start at "
+                        "most one rank per GPU")
+    if procs > 1024:
+        raise UserError(f"NPROC_PER_NODE={procs} is more than 1024 ranks on one node: give the ranks this node runs")
     return world
 
 
@@ -286,6 +322,15 @@ class CosmosSFT(skeleton.Recipe):
     unit = "iteration"
     recipe_name = "cosmos3-edge"
     checkpoint_keys = ("model", "optimizer", "scheduler", "iteration", "micro_batches_consumed")
+    checkpoint_types = {"model": dict, "optimizer": dict, "scheduler": dict, "iteration": int,
+                        "micro_batches_consumed": int}
+
+    def checkpoint_problem(self, state: Any) -> str | None:
+        """The skeleton's checks, and ``model`` holding ``net.*`` tensors."""
+        problem = super().checkpoint_problem(state)
+        if problem is None and not any(str(k).startswith("net.") for k in state["model"]):
+            problem = "its 'model' holds no net.* tensors"
+        return problem
     more_hint = "pass --max-iter N (N > that) to train further"
     adjustable_settings = frozenset({"[trainer].max_iter", "[checkpoint].save_iter"})
 
@@ -325,6 +370,7 @@ class CosmosSFT(skeleton.Recipe):
         self.dtype = torch.bfloat16 if (self.device.type == "cuda" and precision == "bfloat16") else torch.float32
         self._resolve_master_dtype()
         self._check_preset()
+        self._check_honoured()
         self._check_paths()
         self._resolve_schedule()
         job = self.cfg.job
@@ -341,6 +387,7 @@ class CosmosSFT(skeleton.Recipe):
         if self.cfg.model.tokenizer.vae_path:
             _check_vae_dir(self.cfg.model.tokenizer.vae_path, self.preset)
         self._load_dataset()
+        self._check_source()
         self._check_trainable()  # last: the model's names come from building it on the meta device (seconds)
         self._print_plan()
 
@@ -393,14 +440,75 @@ class CosmosSFT(skeleton.Recipe):
         except ValueError as e:
             raise UserError(f"{cfg.source}: {e}") from None
 
+    def _check_honoured(self) -> None:
+        """What the embedded trainer implements, and the numbers that only mean something together.
+
+        Raises:
+            UserError: a setting the embedded trainer would not honour (``precision`` other than bfloat16/float32,
+                ``distributed_parallelism`` other than fsdp, ``joint_attn_implementation`` other than two_way,
+                activation checkpointing other than full/none, shard/replicate degrees other than all ranks); a
+                peak learning rate ``lr x max(f_max, f_start)`` above 1 or a schedule that never rises above 0;
+                ``lr x weight_decay`` >= 1 (AdamW's decay factor ``1 - lr x wd`` would flip or zero the weights);
+                an empty ``keys_to_select`` pattern (it matches every parameter); a ``[job]`` project/group/name
+                that is not one plain folder name.
+        """
+        c, src = self.cfg, self.cfg.source
+        for where, value, ok in (("[model].precision", c.model.precision, ("bfloat16", "float32")),
+                                 ("[trainer].distributed_parallelism", c.trainer.distributed_parallelism, ("fsdp",)),
+                                 ("[model].joint_attn_implementation", c.model.joint_attn_implementation, ("two_way",)),
+                                 ("[model.activation_checkpointing].mode", c.model.activation_checkpointing.mode,
+                                  ("full", "none"))):
+            if value not in ok:
+                raise UserError(f"{src}: {where} = {value!r} is not implemented by the embedded trainer (it runs "
+                                f"{' or '.join(map(repr, ok))}): use one of those, or run upstream's trainer "
+                                "(COSMOS_FRAMEWORK_ROOT)")
+        par = c.model.parallelism
+        if par.data_parallel_replicate_degree != 1 or par.data_parallel_shard_degree not in (-1, self.world):
+            raise UserError(f"{src}: [model.parallelism] data_parallel_shard_degree = {par.data_parallel_shard_degree}, "
+                            f"data_parallel_replicate_degree = {par.data_parallel_replicate_degree}: the embedded trainer "
+                            f"shards over every rank; use -1 (or the world size, {self.world}) and 1")
+        o, sc = c.optimizer, c.scheduler
+        peak = max([*sc.f_max, *sc.f_start], default=0.0)
+        if not max(sc.f_max, default=0.0) > 0:
+            raise UserError(f"{src}: [scheduler].f_max = {list(sc.f_max)}: the learning rate would stay 0 and nothing would "
+                            "train; give f_max > 0 (the recipe's 1.0)")
+        if o.lr * peak > 1:
+            raise UserError(f"{src}: the peak learning rate [optimizer].lr x max(f_max, f_start) = {o.lr:g} x {peak:g} = "
+                            f"{o.lr * peak:g} is above 1 (AdamW moves each weight by about that much a step): lower it")
+        if o.lr * peak * o.weight_decay >= 1:
+            raise UserError(f"{src}: [optimizer].lr x weight_decay = {o.lr * peak:g} x {o.weight_decay:g} >= 1: AdamW's "
+                            "decay factor 1 - lr x weight_decay would zero or flip every weight; lower weight_decay")
+        if any(not k.strip() for k in o.keys_to_select):
+            raise UserError(f"{src}: [optimizer].keys_to_select = {list(o.keys_to_select)} holds an empty pattern, which "
+                            "matches every parameter: remove it")
+        for key in ("project", "group", "name"):
+            value = getattr(c.job, key)
+            bad = (not value or value in (".", "..") or any(ch in value for ch in "/\\\0")
+                   or len(value.encode("utf-8", "surrogatepass")) > 255)
+            if bad:
+                raise UserError(f"{src}: [job].{key} = {value!r} must be one plain folder name (not empty, no '/', '\\' "
+                                "or NUL, at most 255 bytes): the run folder is OUTPUT_ROOT/project/group/name")
+
     def _check_trainable(self) -> None:
-        """``keys_to_select`` against the preset's parameter names (the model built on the meta device)."""
+        """``keys_to_select`` against the preset's parameter names (the model built on the meta device), and an
+        onecard ``BASE_CHECKPOINT_PATH``'s tensors against the same model's names and shapes (read memory-mapped)."""
         cfg = self.cfg
         try:
-            names = [n for n, _ in build_transformer(self.preset, device="meta").named_parameters()]
+            meta = build_transformer(self.preset, device="meta")
+            names = [n for n, _ in meta.named_parameters()]
             self.trainable = select_trainable(names, cfg.optimizer.keys_to_select)
         except ValueError as e:
             raise UserError(f"{cfg.source}: {e}") from None
+        path = Path(cfg.checkpoint.load_path) if cfg.checkpoint.load_path else None
+        if path is not None and path.is_file():
+            blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            skip = cfg.checkpoint.keys_to_skip_loading
+            state = {k[4:]: v for k, v in blob["model"].items()
+                     if k.startswith("net.") and not any(s in k for s in skip)}
+            problem = _base_state_problem(state, meta.state_dict())
+            if problem:
+                raise UserError(f"BASE_CHECKPOINT_PATH={path}: {problem}: pass a checkpoint of the preset's "
+                                f"architecture ({self.preset.name!r}), or unset it for random init")
 
     def _check_paths(self) -> None:
         """Every path the environment or the TOML names must exist."""
@@ -464,15 +572,37 @@ class CosmosSFT(skeleton.Recipe):
         self._build_vae()
         self._build_optimizer()
 
-    def _build_data(self) -> None:
-        """The packing loader over the rows :meth:`preflight` read; counts the captions cut to fit."""
+    def _check_source(self) -> None:
+        """The rows as samples (captions tokenised) against the packing cap, before anything is built.
+
+        Raises:
+            PackingError: no sample fits the cap even with its caption dropped, or none fits with its caption (only
+                the ``cfg_dropout`` copies would train). Rows that fit only without their caption are said in one
+                line.
+        """
         cfg = self.cfg
         self.tokenizer = datamod.CaptionTokenizer()
-        seed = cfg.onecard.seed
-        source = datamod.SampleSource(self.records, self.tokenizer, self.preset,
-                                      max_caption_tokens=cfg.dataloader_train.max_caption_tokens,
-                                      seed=seed, cfg_dropout=cfg.onecard.cfg_dropout)
+        self.source = source = datamod.SampleSource(self.records, self.tokenizer, self.preset,
+                                                    max_caption_tokens=cfg.dataloader_train.max_caption_tokens,
+                                                    seed=cfg.onecard.seed, cfg_dropout=cfg.onecard.cfg_dropout)
         packing.check_some_sample_fits(source, self.cap)
+        with_caption = [source.min_token_count(i, dropped=False) for i in range(len(source))]
+        too_big = [i for i, n in enumerate(with_caption) if not packing.fits(0, n, self.cap)]
+        if too_big and len(too_big) == len(source):
+            raise packing.PackingError(
+                f"the packing cap {self.cap} is below every sample with its caption (the smallest has "
+                f"{min(with_caption)} tokens): only the caption-dropped copies ([onecard] cfg_dropout) would train; "
+                f"raise the cap above {min(with_caption)} or lower [dataloader_train] max_caption_tokens")
+        if too_big and self.main_rank:
+            print(f"onecard: {len(too_big)} of {len(source)} rows fit the packing cap {self.cap} only with their "
+                  f"caption dropped (e.g. row {too_big[0] + 1}, {with_caption[too_big[0]]} tokens): they train only in "
+                  "the caption-dropped accesses; raise the cap or lower max_caption_tokens", flush=True)
+
+    def _build_data(self) -> None:
+        """The packing loader over the samples :meth:`preflight` checked; counts the captions cut to fit."""
+        cfg = self.cfg
+        seed = cfg.onecard.seed
+        source = self.source
         self.loader = packing.PackingLoader(source, cap=self.cap, rank=self.rank, world_size=self.world, seed=seed)
         self.captions_truncated = source.truncated_captions()
         if self.captions_truncated and self.main_rank:
@@ -589,6 +719,13 @@ class CosmosSFT(skeleton.Recipe):
         """
         with self.mem.phase("checkpoint"):
             net, optim = gather_full_state(self.model, self.opt)
+            trained = set(self.trainable)
+            bad = [k for k, v in net.items() if canonical_name(k) in trained and not bool(torch.isfinite(v).all())]
+            if bad:  # every rank holds the same full tensors, so every rank stops here alike
+                raise UserError(f"the trained weights hold NaN or inf after iteration {self.done} ({len(bad)} tensor(s), "
+                                f"e.g. net.{canonical_name(bad[0])}): the run diverged and this checkpoint is not "
+                                "written (the previous one is kept); lower [optimizer].lr or [onecard].loss_scale, or "
+                                "set [trainer.callbacks.grad_clip] force_finite = true")
             model = {f"net.{canonical_name(k)}": v for k, v in net.items()}
             ema = self.ema.full_state_dict() if self.ema is not None else {"num_updates": 0, "shadow": {}}
             model.update({f"net_ema.{k}": v for k, v in ema["shadow"].items()})
@@ -658,6 +795,10 @@ class CosmosSFT(skeleton.Recipe):
             "[trainer].max_iter": self.max_steps, "[checkpoint].save_iter": c.checkpoint.save_iter,
         }
 
+    def warm_start_source(self) -> str:
+        path = self.cfg.checkpoint.load_path
+        return f"the base checkpoint (BASE_CHECKPOINT_PATH / [checkpoint].load_path) {path}" if path else ""
+
     def warm_start(self) -> None:
         """Base weights from ``[checkpoint].load_path`` (the EMA re-seeded from them), else random init."""
         load_path = self.cfg.checkpoint.load_path
@@ -686,6 +827,14 @@ class CosmosSFT(skeleton.Recipe):
 
     def save_due(self, done: int) -> bool:
         return not self.args.no_save and (done % self.cfg.checkpoint.save_iter == 0 or done == self.max_steps)
+
+    def saves_between(self, start: int, end: int) -> int:
+        """Every ``save_iter`` and the last step, by arithmetic (:meth:`save_due`)."""
+        if self.args.no_save or end <= start:
+            return 0
+        every = self.cfg.checkpoint.save_iter
+        regular = end // every - start // every
+        return regular + (0 if end % every == 0 or end != self.max_steps else 1)
 
     # ------------------------------------------------------------ 5. the loop
     def _begin(self) -> None:

@@ -213,6 +213,7 @@ class H3SFTRecipe(Recipe):
     unit = "rollout"
     recipe_name = "minimax-h3"
     checkpoint_keys = ("lora", "lora_meta", "optimizer", "rollout")
+    checkpoint_types = {"lora": dict, "lora_meta": dict, "optimizer": dict, "rollout": int}
     more_hint = "raise --num-rollout to train further"
     adjustable_settings = frozenset({"--num-rollout"})
 
@@ -550,6 +551,10 @@ class H3SFTRecipe(Recipe):
     def save_due(self, done: int) -> bool:
         """A checkpoint after every rollout (upstream names checkpoints by rollout)."""
         return True
+
+    def saves_between(self, start: int, end: int) -> int:
+        """One a rollout (:meth:`save_due`)."""
+        return max(0, end - start)
 
     # ---- training
     def _rollout_pairs(self, rollout: int) -> list:

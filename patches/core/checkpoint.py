@@ -110,18 +110,20 @@ class CheckpointManager:
         for i, (_, path) in reversed(list(enumerate(found))):
             try:
                 state = torch.load(path, **load_kw)
-                problem = validate(state) if validate is not None else None
-                if problem is not None:
-                    raise ValueError(f"not a checkpoint of this run: {problem}")
-                return path, state
             except Exception as e:  # noqa: BLE001 - any reader error means "damaged"
                 why = " ".join(f"{type(e).__name__}: {e}".split())[:160]
-                then = f"resuming from {found[i - 1][1].name} if it reads" if i else "no older one: starting anew"
-                msg = f"checkpoint {path} is damaged ({why}); {then}"
-                if on_damaged is None:
-                    warnings.warn(msg.replace(f"; {then}", "; trying the next older one"), stacklevel=2)
-                else:
-                    on_damaged(msg)
+            else:
+                # outside the ``try``: a fault in the check itself is a bug to see, not a damaged file to skip
+                problem = validate(state) if validate is not None else None
+                if problem is None:
+                    return path, state
+                why = " ".join(f"ValueError: not a checkpoint of this run: {problem}".split())[:160]
+            then = f"resuming from {found[i - 1][1].name} if it reads" if i else "no older one: starting anew"
+            msg = f"checkpoint {path} is damaged ({why}); {then}"
+            if on_damaged is None:
+                warnings.warn(msg.replace(f"; {then}", "; trying the next older one"), stacklevel=2)
+            else:
+                on_damaged(msg)
         return None
 
     def clean_stale(self) -> list[Path]:

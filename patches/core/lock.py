@@ -34,7 +34,7 @@ class RunLocked(UserError):
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process; a pid beyond the C range names none either
         return False
     except PermissionError:
         return True
@@ -80,6 +80,9 @@ def _holder(path: Path) -> tuple[str, str]:
     """Who holds the lock file ``path``: ``("free", "")`` (no file), ``("stale", why)`` (a dead process on this host,
     or empty/unreadable for :data:`EMPTY_GRACE_S` or more: may be taken over), ``("held", message)`` (a live holder,
     any holder on another host, or a file created moments ago and not written yet)."""
+    if path.is_dir() and not path.is_symlink():
+        return "held", (f"the lock {path} is a folder, not a lock file: remove it (rmdir) if no run is using "
+                        f"{path.parent}")
     try:
         holder = json.loads(path.read_text() or "null")
         age = time.time() - path.stat().st_mtime

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -123,6 +124,11 @@ class Recipe(abc.ABC):
         """Whether to write a checkpoint after ``done`` steps (default: at the end only)."""
         return done == self.max_steps
 
+    def saves_between(self, start: int, end: int) -> int:
+        """How many checkpoints steps ``start + 1 .. end`` write (:meth:`save_due` counted; a recipe with a regular
+        schedule overrides this with arithmetic, so that a huge step count costs nothing to check)."""
+        return sum(1 for done in range(start + 1, end + 1) if self.save_due(done))
+
     @abc.abstractmethod
     def summary(self, start: int, results: list[StepResult], checkpoint: Path | None) -> dict[str, Any]:
         """The run's summary (JSON-serialisable)."""
@@ -131,6 +137,12 @@ class Recipe(abc.ABC):
     """The recipe's name in its checkpoints (``cosmos3-edge``, ``minimax-h3``): a file of another recipe is refused."""
     checkpoint_keys: tuple[str, ...] = ()
     """The keys every checkpoint of this recipe holds (besides the skeleton's own)."""
+    checkpoint_types: dict[str, type] = {}
+    """The type each of those keys' values must have (``int`` also means >= 0 and not a bool)."""
+
+    def warm_start_source(self) -> str:
+        """What :meth:`warm_start` would load, as the user named it (``"BASE_CHECKPOINT_PATH=..."``; empty: none)."""
+        return ""
 
     def checkpoint_bytes(self) -> int:
         """Bytes of one checkpoint file on disk, estimated after :meth:`preflight` (0: unknown, no space check)."""
@@ -138,7 +150,8 @@ class Recipe(abc.ABC):
 
     def checkpoint_problem(self, state: Any) -> str | None:
         """Why ``state`` is not a checkpoint of this recipe (``None`` when it is): not a dict, another recipe's
-        (its ``onecard_recipe`` tag), or without one of :attr:`checkpoint_keys`."""
+        (its ``onecard_recipe`` tag), without one of :attr:`checkpoint_keys`, or one of another type than
+        :attr:`checkpoint_types` says."""
         if not isinstance(state, dict):
             return f"it holds a {type(state).__name__}, not a checkpoint dict"
         tag = state.get(RECIPE_KEY)
@@ -147,6 +160,10 @@ class Recipe(abc.ABC):
         missing = [k for k in self.checkpoint_keys if k not in state]
         if missing:
             return f"it lacks {missing}"
+        for key, kind in self.checkpoint_types.items():
+            value = state.get(key)
+            if not isinstance(value, kind) or (kind is int and (isinstance(value, bool) or value < 0)):
+                return f"its {key!r} is {type(value).__name__} {str(value)[:40]!r}, not a{' whole number >= 0' if kind is int else ' ' + kind.__name__}"
         return None
 
     metrics: Any = None
@@ -185,6 +202,15 @@ def preflight(recipe: Recipe) -> None:
             something else than the run it continues.
     """
     recipe.preflight()
+    if recipe.checkpoints.write and recipe.checkpoints.dir.exists():
+        import tempfile
+
+        try:
+            os.close((probe := tempfile.mkstemp(prefix=".onecard-write-test-", dir=recipe.checkpoints.dir))[0])
+            os.unlink(probe[1])
+        except OSError as e:
+            raise UserError(f"the checkpoint folder {recipe.checkpoints.dir} is not writable ({e.strerror}): make it "
+                            "writable, or use another output folder") from None
     found = recipe.checkpoints.load_latest(on_damaged=lambda _msg: None, validate=recipe.checkpoint_problem, mmap=True)
     start = 0
     if found is not None:
@@ -218,7 +244,7 @@ def check_checkpoint_space(recipe: Recipe, start: int) -> None:
     size = int(recipe.checkpoint_bytes() or 0)
     if not size or not recipe.checkpoints.write:
         return
-    saves = sum(1 for done in range(start + 1, recipe.max_steps + 1) if recipe.save_due(done))
+    saves = recipe.saves_between(start, recipe.max_steps)
     need = checkpoint_space_needed(size, len(recipe.checkpoints.all()), saves, recipe.checkpoints.keep)
     if not need:
         return
@@ -274,6 +300,9 @@ def resume(recipe: Recipe) -> int:
         recipe.warm_start()
         return 0
     path, state = found
+    if recipe.warm_start_source():
+        _report(recipe, f"{recipe.warm_start_source()} is not used: the run resumes from its own checkpoint {path.name} "
+                        "(a warm start applies to a new run folder only)", file=sys.stdout)
     notes = settingsmod.compare(state.get(settingsmod.KEY), recipe.training_settings(),
                                 adjustable=recipe.adjustable_settings, checkpoint=str(path))
     for note in notes:
@@ -335,13 +364,16 @@ def loop(recipe: Recipe, start: int) -> tuple[list[StepResult], Path | None]:
                 try:
                     saved = recipe.checkpoints.save(done, state)
                 except (OSError, RuntimeError) as e:
-                    if not _disk_full(e):
+                    full = _disk_full(e)
+                    if not full and not isinstance(e, OSError):
                         raise
                     kept = recipe.checkpoints.latest()
-                    raise UserError(f"the disk is full: checkpoint {recipe.checkpoints.path(done)} could not be "
+                    raise UserError(("the disk is full: " if full else "")
+                                    + f"checkpoint {recipe.checkpoints.path(done)} could not be "
                                     f"written ({' '.join(str(e).split())[:120]}); "
                                     + (f"the previous checkpoint {kept} is intact" if kept else "no checkpoint was kept")
-                                    + ": free space and run the same command again to resume") from None
+                                    + (": free space" if full else ": make the folder writable")
+                                    + " and run the same command again to resume") from None
                 last = saved or last
     finally:
         bar.close()
@@ -351,7 +383,16 @@ def loop(recipe: Recipe, start: int) -> tuple[list[StepResult], Path | None]:
 
 
 def finish(recipe: Recipe, start: int, results: list[StepResult], checkpoint: Path | None) -> dict[str, Any]:
-    """Step 5: the summary, written as ``summary.json`` on rank 0."""
+    """Step 5: the summary, written as ``summary.json`` on rank 0.
+
+    Raises:
+        UserError: every step of this run had a non-finite loss: nothing was learned, and a run that says it
+            finished would hide it (no summary is written).
+    """
+    if results and not any(math.isfinite(r.loss) for r in results):
+        raise UserError(f"every one of this run's {len(results)} {recipe.unit}(s) had a non-finite loss "
+                        f"({results[-1].loss}): nothing was learned; lower the learning rate or the loss scale "
+                        "and run again")
     summary = recipe.summary(start, results, checkpoint)
     if recipe.main_rank:
         path = atomic_write_json(recipe.run_dir / "summary.json", summary)

@@ -42,6 +42,10 @@ INDEPENDENT_KINDS = {  # the kinds of an independent list written from the sourc
     "resume setting boolean vs integer", "pre-flight NaN lower bound", "pre-flight broken symlink",
     "guard renamed parameter", "guard revert leaves a patch registered",
 }
+VALIDATION_KINDS = {  # bad input of the right type: a test per kind, each with its planted check (tests/test_validation.py)
+    "validation: checkpoint of another run", "validation: storage fault", "validation: run gone wrong",
+    "validation: setting not honoured", "validation: file contents by meaning", "validation: run lock",
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +63,7 @@ def test_the_list_covers_the_planted_bugs_and_the_survivors(mutants):
     assert README_PLANTED_BUGS - kinds == set()
     assert SURVIVOR_KINDS - kinds == set()
     assert INDEPENDENT_KINDS - kinds == set()
+    assert VALIDATION_KINDS - kinds == set()
     assert {m.kind for m in mutants if m.cuda} >= {k for k in SURVIVOR_KINDS if k.startswith("CUDA")}
 
 

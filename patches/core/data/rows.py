@@ -125,10 +125,12 @@ def _parse_row(obj: Any, index: int, line: int, jsonl: Path, train_dir: Path,
     except UnicodeEncodeError as exc:  # valid JSON ("\\ud800") that is no text: a lone surrogate
         raise DatasetError(f"{where}: 'caption' is not encodable text (character {exc.start} is "
                            f"{caption[exc.start]!r}, a lone surrogate); fix the caption") from None
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
-        raise DatasetError(f"{where}: 'fps' must be a positive number, got {fps!r}")
-    if not (_is_int(width) and _is_int(height) and width > 0 and height > 0):
-        raise DatasetError(f"{where}: 'width' and 'height' must be positive integers (source size in pixels)")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0.1 <= fps <= 1000:
+        raise DatasetError(f"{where}: 'fps' must be a frame rate between 0.1 and 1000 frames per second, got {fps!r}; "
+                           "give the video's own frame rate")
+    if not (_is_int(width) and _is_int(height) and 0 < width <= 65536 and 0 < height <= 65536):
+        raise DatasetError(f"{where}: 'width' and 'height' must be whole numbers of pixels from 1 to 65536 (the source "
+                           "video's size)")
     if not isinstance(windows, list) or not windows:
         raise DatasetError(f"{where}: 'windows' must be a non-empty list of [start_frame, num_frames]")
     video_path = (train_dir / video).resolve()
