@@ -22,7 +22,10 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python}"
 
 as_bool() {  # as_bool NAME VALUE -> prints 1 or 0, or fails with one clear line
-  case "${2,,}" in
+  # Surrounding spaces are ignored, as patches/core/flags.py reads every COSMOS_* flag (" 1" is 1 there too).
+  local v="${2,,}"
+  v="${v#"${v%%[![:space:]]*}"}"; v="${v%"${v##*[![:space:]]}"}"
+  case "$v" in
     1|true|yes) echo 1 ;;
     0|false|no|"") echo 0 ;;
     *) echo "error: $1='$2' is not a boolean: set it to one of 1/0/true/false/yes/no, or unset it" >&2; return 2 ;;
@@ -40,32 +43,45 @@ toml="$here/toml/vision_sft_edge_24gb.toml"
 [[ "$emaval" == 1 ]] && toml="$here/toml/vision_sft_edge_24gb_emaval.toml"
 TOML_FILE="${TOML_FILE:-$toml}"
 
-if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" && ! -d "${COSMOS_FRAMEWORK_ROOT}/cosmos_framework" ]]; then
-  echo "error: COSMOS_FRAMEWORK_ROOT=${COSMOS_FRAMEWORK_ROOT} is not a cosmos-framework checkout (no cosmos_framework/ in it): point it at the folder that holds cosmos_framework/, or unset it to run the embedded trainer" >&2
+# Upstream's trainer is what runs with COSMOS_FRAMEWORK_ROOT (torchrun -m patches.run cosmos_framework.scripts.train):
+# a folder without that file is refused here, in one line, before anything is written.
+if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" && ! -f "${COSMOS_FRAMEWORK_ROOT}/cosmos_framework/scripts/train.py" ]]; then
+  echo "error: COSMOS_FRAMEWORK_ROOT=${COSMOS_FRAMEWORK_ROOT} is not a cosmos-framework checkout (no cosmos_framework/scripts/train.py in it): point it at the folder that holds cosmos_framework/, or unset it to run the embedded trainer" >&2
   exit 2
 fi
 
-for v in NPROC_PER_NODE NNODES NODE_RANK MASTER_PORT; do
-  val="${!v:-}"
-  if [[ -n "$val" && ! "$val" =~ ^[0-9]+$ ]]; then
-    echo "error: $v=$val is not a whole number" >&2
-    exit 2
+count() {  # count NAME VALUE MIN MAX WHAT -> prints VALUE as a decimal number, or fails with one clear line
+  # Plain ASCII digits only (no sign, spaces or exponent; "08" is 8, not octal), as patches.core.flags.whole_number.
+  local n="$2"
+  case "$n" in ""|*[!0123456789]*) n="" ;; esac
+  if [[ -n "$n" ]]; then
+    n="${n#"${n%%[!0]*}"}"; n="${n:-0}"  # leading zeros off: no octal, and the length below is the magnitude
+    if (( ${#n} <= 9 && n >= $3 && n <= $4 )); then echo "$n"; return 0; fi
   fi
-done
+  local shown="$2"
+  [[ -n "$2" && "$2" != *[[:space:]]* ]] || shown="'$2'"  # quoted only where spaces would hide in the line
+  echo "error: $1=$shown is not a whole number from $3 to $4 ($5): give plain digits in that range" >&2
+  return 2
+}
+nproc="$(count NPROC_PER_NODE "${NPROC_PER_NODE:-1}" 1 1024 "ranks on this node")" || exit 2
+nnodes="$(count NNODES "${NNODES:-1}" 1 1024 "nodes")" || exit 2
+node_rank="$(count NODE_RANK "${NODE_RANK:-0}" 0 "$(( nnodes - 1 ))" "this node's rank, below NNODES=$nnodes")" || exit 2
+if [[ -n "${MASTER_PORT:-}" ]]; then
+  MASTER_PORT="$(count MASTER_PORT "$MASTER_PORT" 1 65535 "a TCP port; unset it for a free one")" || exit 2
+fi
 if [[ "$dryrun" == 1 ]]; then
-  exec "$PYTHON" -m patches.ledger --toml "$TOML_FILE" \
-    --world-size "$(( ${NPROC_PER_NODE:-1} * ${NNODES:-1} ))"
+  exec "$PYTHON" -m patches.ledger --toml "$TOML_FILE" --world-size "$(( nproc * nnodes ))"
 fi
 
 if [[ -z "${MASTER_PORT:-}" ]]; then
   # One node: any free port, so that runs side by side (parallel tests) do not collide. Several nodes must
   # agree on the port: keep upstream's fixed default there.
-  if [[ "${NNODES:-1}" == 1 ]]; then
+  if [[ "$nnodes" == 1 ]]; then
     MASTER_PORT="$(cd "$here" && "$PYTHON" -m patches.core.ports free)"
   else
     MASTER_PORT=50012
   fi
-elif [[ "${NODE_RANK:-0}" == 0 ]]; then
+elif [[ "$node_rank" == 0 ]]; then
   # A port given explicitly must be free where the rendezvous listens (node 0): one line now, not a torchrun
   # traceback after the ranks start.
   (cd "$here" && "$PYTHON" -m patches.core.ports check MASTER_PORT "$MASTER_PORT") || exit 2
@@ -81,11 +97,28 @@ if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
   # lever patches are applied before upstream code runs. The [onecard] table is dropped from the TOML
   # (upstream's schema forbids unknown keys); TAIL_OVERRIDES and trailing arguments become Hydra overrides.
   export PYTHONPATH="${COSMOS_FRAMEWORK_ROOT}:${here}${PYTHONPATH:+:$PYTHONPATH}"
+  "$PYTHON" -m patches check >/dev/null || exit 2  # flags + targets, one error line; writes nothing
+  # The TOML copy is made in a private staging folder first (a bad recipe is one error line and nothing in
+  # OUTPUT_ROOT), then put beside the run under a name that holds its content's hash: the same recipe always
+  # gives the same file (a rerun replaces it, nothing piles up), and `exec torchrun` below keeps every signal
+  # (TERM from a scheduler or `timeout`, Ctrl-C) going straight to torchrun, as it always has.
+  staging="$(mktemp -d)"
+  trap 'rm -rf "$staging"' EXIT
+  name=".onecard-$(basename "$TOML_FILE" .toml)"
+  "$PYTHON" -m cosmos_framework_ext.recipe.config upstream-toml "$TOML_FILE" "$staging/$name.toml" || exit 2
+  if ! mkdir -p "$OUTPUT_ROOT" 2>/dev/null || [[ ! -w "$OUTPUT_ROOT" ]]; then
+    echo "error: OUTPUT_ROOT=$OUTPUT_ROOT cannot be created or written: point it at a folder you can write" >&2
+    exit 2
+  fi
+  OUTPUT_ROOT="$(cd "$OUTPUT_ROOT" && pwd)"  # absolute: upstream's trainer runs in COSMOS_FRAMEWORK_ROOT
   export IMAGINAIRE_OUTPUT_ROOT="${IMAGINAIRE_OUTPUT_ROOT:-$OUTPUT_ROOT}"
-  mkdir -p "$OUTPUT_ROOT"
-  upstream_toml="$(mktemp "${OUTPUT_ROOT%/}/.onecard-$(basename "$TOML_FILE" .toml)-XXXXXX.toml")"
-  "$PYTHON" -m cosmos_framework_ext.recipe.config upstream-toml "$TOML_FILE" "$upstream_toml" || { rm -f "$upstream_toml"; exit 2; }
-  "$PYTHON" -m patches check >/dev/null || { rm -f "$upstream_toml"; exit 2; }  # flags + targets, one error line
+  digest="$("$PYTHON" -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest()[:12])' \
+    "$staging/$name.toml")" || exit 2
+  upstream_toml="$OUTPUT_ROOT/$name-$digest.toml"
+  # copied next to its final name, then renamed (one file system): a run starting beside this one reads it whole
+  cp "$staging/$name.toml" "$upstream_toml.$$" && mv -f "$upstream_toml.$$" "$upstream_toml" || exit 2
+  rm -rf "$staging"
+  trap - EXIT
   read -r -a overrides <<< "${TAIL_OVERRIDES:-}"
   trainer_flags=()
   for a in "$@"; do  # --flags (e.g. --dryrun) go to upstream's train.py, the rest are Hydra overrides
@@ -93,7 +126,7 @@ if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" ]]; then
   done
   cd "$COSMOS_FRAMEWORK_ROOT"
   exec "$PYTHON" -m torch.distributed.run \
-    --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
+    --nproc_per_node="$nproc" --nnodes="$nnodes" --node_rank="$node_rank" \
     --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="$MASTER_PORT" \
     -m patches.run cosmos_framework.scripts.train --sft-toml="$upstream_toml" \
     ${trainer_flags[@]+"${trainer_flags[@]}"} ${overrides[@]+-- "${overrides[@]}"}
@@ -108,12 +141,12 @@ echo "onecard: checking every input before the run starts (TOML, flags, paths, d
      "folder; a first run also prepares the sample dataset) ..."
 "$PYTHON" "${train[@]}" --validate-only >/dev/null || exit $?
 echo "onecard: inputs OK; starting the trainer"
-if [[ "${NPROC_PER_NODE:-1}" == 1 && "${NNODES:-1}" == 1 ]]; then
+if [[ "$nproc" == 1 && "$nnodes" == 1 ]]; then
   # One process: no torchrun around it, so an error found only now (say, another run took the output
   # folder's lock after the check above) is still one error line and exit status 2, with no torchrun report.
   exec "$PYTHON" "${train[@]}" --videos-checked
 fi
 exec "$PYTHON" -m torch.distributed.run \
-  --nproc_per_node="${NPROC_PER_NODE:-1}" --nnodes="${NNODES:-1}" --node_rank="${NODE_RANK:-0}" \
+  --nproc_per_node="$nproc" --nnodes="$nnodes" --node_rank="$node_rank" \
   --master_addr="${MASTER_ADDR:-127.0.0.1}" --master_port="$MASTER_PORT" \
   "${train[@]}" --videos-checked

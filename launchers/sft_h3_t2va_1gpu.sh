@@ -48,11 +48,16 @@ except FlagError as e:
   cd "$MILES_DIFFUSION_ROOT"
   exec "$PYTHON" train_diffusion.py "$@"
 fi
+# FROM_GPUS: plain ASCII digits from 1 to 1024 (no sign, spaces or exponent; "08" is 8), as the Cosmos launcher's counts.
 from="${FROM_GPUS:-8}"
-if [[ ! "$from" =~ ^[0-9]+$ ]]; then
-  echo "error: FROM_GPUS=$from is not a whole number" >&2
+case "$from" in ""|*[!0123456789]*) from_ok="" ;; *) from_ok="${from#"${from%%[!0]*}"}" ;; esac
+if [[ -z "$from_ok" ]] || (( ${#from_ok} > 9 || from_ok > 1024 )); then
+  shown="$from"; [[ -n "$from" && "$from" != *[[:space:]]* ]] || shown="'$from'"
+  echo "error: FROM_GPUS=$shown is not a whole number from 1 to 1024 (the GPUs of the schedule replayed):" \
+       "give plain digits in that range" >&2
   exit 2
 fi
+from="$from_ok"
 # RESIDENT_BLOCKS (auto | N | none) becomes trainer flags through the one residency resolver (miles_ext.levers.residency):
 # on a GPU --fsdp-cpu-offload and --fsdp-resident-blocks; refused in one line when bad or given twice.
 offload_out="$(cd "$here" && "$PYTHON" -m miles_ext.levers.residency launcher-args "$@")" || exit 2

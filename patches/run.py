@@ -5,8 +5,8 @@ cosmos_framework.scripts.train --sft-toml=...`` starts every rank through this w
 in place before any upstream code runs, whatever ``sitecustomize.py`` the upstream puts on ``PYTHONPATH``.
 Each rank prints one line saying which flags are on and which targets it patched.
 
-Exit status 2 with one ``error:`` line when a flag is not a boolean or a target does not match the
-supported upstream commits.
+Exit status 2 with one ``error:`` line when a flag is not a boolean, a target does not match the supported upstream
+commits, MODULE is missing (or is not a module name), or no MODULE is given -- before MODULE runs.
 """
 
 from __future__ import annotations
@@ -40,20 +40,61 @@ def apply_from_env() -> list[str]:
     return patch_set().apply(values)
 
 
+USAGE = "usage: python -m patches.run MODULE [ARGS...]"
+
+
+def _module_problem(name: str) -> str | None:
+    """Why ``python -m patches.run NAME`` cannot run ``NAME`` as ``__main__`` (checked after the patches are applied,
+    so ``COSMOS_FRAMEWORK_ROOT`` is on ``sys.path``, and before anything of it runs), or ``None``.
+
+    Only the module's presence is checked (``importlib.util.find_spec``, which imports its parent packages, as
+    running it would): an ``ImportError`` raised while the module itself runs is its own and stays a traceback.
+    """
+    import importlib.util
+
+    if not all(part.isidentifier() for part in name.split(".")):
+        return (f"python -m patches.run: {name!r} is not a module name: give a dotted module name, e.g. "
+                f"cosmos_framework.scripts.train ({USAGE})")
+    fix = "check its spelling, or put the folder that holds it on PYTHONPATH (COSMOS_FRAMEWORK_ROOT for upstream)"
+    try:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations is not None:  # a package runs its __main__
+            if importlib.util.find_spec(f"{name}.__main__") is None:
+                return f"python -m patches.run: {name} is a package with no __main__ module: give a module to run"
+    except ModuleNotFoundError as e:  # a parent package is missing (anything else it raises is its own)
+        if not e.name or not (name == e.name or name.startswith(e.name + ".")):
+            raise
+        spec = None
+    if spec is None:
+        return f"python -m patches.run: no module named {name}: {fix}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-"):
-        print("usage: python -m patches.run MODULE [ARGS...]", file=sys.stderr)
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{(__doc__ or '').strip()}")
+        return 0
+    if not argv:
+        print(f"error: python -m patches.run: give the MODULE to run ({USAGE})", file=sys.stderr)
+        return 2
+    if argv[0].startswith("-"):
+        print(f"error: python -m patches.run: {argv[0]!r} is not a module: the first argument is the MODULE to run, "
+              f"its own arguments follow it ({USAGE})", file=sys.stderr)
         return 2
     try:
         patched = apply_from_env()
     except (flags.FlagError, UpstreamMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    module, *rest = argv
+    problem = _module_problem(module)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     on = " ".join(f"{k}={v if isinstance(v, str) else int(v)}" for k, v in flags.read_all().items())
     print(f"onecard[rank {os.environ.get('RANK', '0')}]: {on}; patched: {', '.join(patched) or 'nothing'}",
           file=sys.stderr, flush=True)
-    module, *rest = argv
     sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0

@@ -508,16 +508,30 @@ HONOURED_BAD = [
 
 
 @pytest.mark.parametrize("old,new,needle", HONOURED_BAD, ids=[n[:32] for *_, n in HONOURED_BAD])
-def test_cosmos_settings_it_would_not_honour_are_one_line(env, capsys, old, new, needle):
+def test_cosmos_settings_it_would_not_honour_are_refused(tmp_path, old, new, needle):
     """A TOML value of the right type that the embedded trainer would silently not do (or that makes no sense
-    with another): one ``error:`` line from ``--validate-only``, nothing written."""
+    with another): :meth:`CosmosSFT._check_honoured` refuses it in one line (its place in ``--validate-only`` is
+    the end-to-end test below)."""
+    from cosmos_framework_ext.recipe import config as cfgmod, train
+    from tests.test_train import small_toml
+
+    recipe = train.CosmosSFT.__new__(train.CosmosSFT)
+    recipe.cfg, recipe.world = cfgmod.load(small_toml(tmp_path)), 1
+    recipe._check_honoured()  # the recipe as shipped passes
+    recipe.cfg = cfgmod.load(small_toml(tmp_path, **{old: new}))
+    with pytest.raises(UserError) as e:
+        recipe._check_honoured()
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_cosmos_setting_it_would_not_honour_is_one_line_before_anything(env, capsys):
     from cosmos_framework_ext.recipe import train
     from tests.test_train import small_toml
 
-    toml = small_toml(env, **{old: new})
+    toml = small_toml(env, **{HONOURED_BAD[0][0]: HONOURED_BAD[0][1]})
     assert train.main(["--sft-toml", str(toml), "--validate-only"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: ") and HONOURED_BAD[0][2] in err[0], err
     assert not (env / "out").exists()
 
 

@@ -377,7 +377,7 @@ class PlanReport:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["ours"] = self.ours.to_dict(include_batches)
         d["ref"] = self.ref.to_dict(include_batches)
-        return json.dumps(d, indent=2) + "\n"
+        return json.dumps(d, indent=2, allow_nan=False) + "\n"  # valid JSON or an error, never NaN/Infinity
 
     def format_table(self) -> str:
         """Human-readable comparison table (multi-line, no trailing newline)."""

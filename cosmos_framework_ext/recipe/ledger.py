@@ -35,7 +35,7 @@ from patches.core.runtime import GiB
 from cosmos_framework_ext.recipe import config as cfgmod
 from cosmos_framework_ext.recipe.config import SFTConfig
 from cosmos_framework_ext.levers.frozen_bf16 import check_with_ema
-from cosmos_framework_ext.recipe.presets import build_transformer, build_vae, get_preset, select_trainable
+from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 
 ACT_FIXED = int(0.79 * GiB)
 """bytes: activation-phase transients that do not scale with tokens (fitted, see module docstring)."""
@@ -204,14 +204,15 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--toml", required=True, help="recipe TOML")
     ap.add_argument("--budget-gib", default=None,
                     help="usable GPU memory in GiB (default: $BUDGET_GIB, else 22.06: a 24 GB A10G)")
-    ap.add_argument("--preset", default="edge", help="model preset to size (default edge)")
-    ap.add_argument("--world-size", type=int, default=1, help="ranks (NPROC_PER_NODE x NNODES); default 1")
+    ap.add_argument("--preset", default="edge", choices=sorted(PRESETS), help="model preset to size (default edge)")
+    ap.add_argument("--world-size", type=flagmod.whole_number_arg(1, flagmod.MAX_WORLD_SIZE, "ranks"), default=1,
+                    help=f"ranks (NPROC_PER_NODE x NNODES), 1 to {flagmod.MAX_WORLD_SIZE}; default 1")
     args = ap.parse_args(list(argv) if argv is not None else None)
     try:
         if args.budget_gib is not None:
             budget = parse_budget(args.budget_gib)
-        else:
-            budget = parse_budget(os.environ.get("BUDGET_GIB") or "22.06", "BUDGET_GIB")
+        else:  # unset or blank: the default, as every other variable reads
+            budget = parse_budget((os.environ.get("BUDGET_GIB") or "").strip() or "22.06", "BUDGET_GIB")
         cfg = cfgmod.load(args.toml)
         env_flags = flagmod.read_all()
         ledger = cosmos_ledger(cfg, args.preset, env_flags, world_size=args.world_size)

@@ -22,8 +22,9 @@ directory holds two safetensors files); the loaded model's forward equals the tr
 ``tests/test_h3_export_lora.py::README_SNIPPET`` is the README's example). Unlike
 upstream's exporter (safetensors + a sidecar with only ``r`` and ``lora_alpha``), nothing is left implicit.
 
-Bad input (no checkpoint, no LoRA tensors in it, an existing non-empty ``out_dir``): one ``error:`` line,
-exit status 2, nothing written. The directory is built under a temporary name and renamed.
+Bad input (no checkpoint, no LoRA tensors in it, LoRA tensors that are not one 2-D real-float ``lora_A`` /
+``lora_B`` pair per module of ``lora_meta``'s rank, NaN/inf values, a ``lora_meta`` rank / alpha / target list the
+trainer would refuse, an existing non-empty ``out_dir``): one ``error:`` line, exit status 2, nothing written. The directory is built under a temporary name and renamed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from miles_ext.levers.finite_step import require_finite
+from miles_ext.recipe import meanings as mn
 from patches.core.errors import ArgumentParser, UserError, cli
 from patches.core.io import give_new_modes
 
@@ -54,8 +56,9 @@ def load_lora_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dic
     """``(lora tensors by PEFT-in-model name, metadata)`` from an embedded-trainer checkpoint.
 
     Raises:
-        ExportError: missing file (or a directory), not a checkpoint, no LoRA tensors in it, or a LoRA tensor with
-            NaN/inf values (a damaged checkpoint).
+        ExportError: missing file (or a directory), not a checkpoint, no LoRA tensors in it, a ``lora_meta`` that is not
+            what the trainer writes (:func:`_check_meta`), LoRA tensors that do not form one adapter of that rank per
+            module (:func:`_check_tensors`), or a LoRA tensor with NaN/inf values (a damaged checkpoint).
     """
     p = Path(path)
     if p.is_dir():
@@ -69,17 +72,85 @@ def load_lora_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dic
     except Exception as e:  # noqa: BLE001 - any unpickling failure: not one of ours
         raise ExportError(f"{p} is not a torch checkpoint ({type(e).__name__}: {e})") from None
     state = blob.get("lora") if isinstance(blob, dict) else None
-    state = {k: v for k, v in (state or {}).items() if any(m in k for m in LORA_MARKERS)}
+    if state is not None and not isinstance(state, dict):
+        raise ExportError(f"{p}: its 'lora' is a {type(state).__name__}, not a dict of tensors: it was not written by "
+                          "the onecard H3 trainer; export another checkpoint")
+    state = {k: v for k, v in (state or {}).items() if isinstance(k, str) and any(m in k for m in LORA_MARKERS)}
     if not state:
         raise ExportError(f"{p} holds no LoRA tensors (no '.lora_A.'/'.lora_B.' keys under 'lora'): "
                           "export needs a checkpoint of a LoRA run")
     meta = blob.get("lora_meta") or {}
     for key in ("rank", "alpha", "target_modules"):
-        if key not in meta:
+        if not isinstance(meta, dict) or key not in meta:
             raise ExportError(f"{p} lacks lora_meta[{key!r}]: it was not written by the onecard H3 trainer")
+    _check_meta(p, meta)
+    state = _check_tensors(p, state, meta["rank"])
     require_finite(state, f"checkpoint {p}", error=ExportError,
                    fix="the checkpoint is damaged: export an earlier iter_<rollout>.pt of the run")
     return state, meta
+
+
+_DAMAGED = "the checkpoint is damaged or not the onecard H3 trainer's: export another iter_<rollout>.pt of the run"
+
+
+def _check_meta(p: Path, meta: dict[str, Any]) -> None:
+    """``lora_meta``'s rank, alpha and target modules, as the trainer's ``--lora-rank`` / ``--lora-alpha`` /
+    ``--lora-target-modules`` may be (:mod:`miles_ext.recipe.meanings`).
+
+    Raises:
+        ExportError: a rank that is not a whole number in the trainer's range, an alpha that is not a finite number in
+            its range, or target modules that are not a non-empty list of names (a string would become a list of its
+            characters in PEFT's config).
+    """
+    rank, alpha, targets = meta["rank"], meta["alpha"], meta["target_modules"]
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ExportError(f"{p}: lora_meta['rank'] = {rank!r} is not a whole number; {_DAMAGED}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ExportError(f"{p}: lora_meta['alpha'] = {alpha!r} is not a number; {_DAMAGED}")
+    for key, value, m in (("rank", rank, mn.LORA_RANK), ("alpha", alpha, mn.LORA_ALPHA)):
+        why = m.problem(value)
+        if why:
+            raise ExportError(f"{p}: lora_meta[{key!r}] = {value!r} {why} ({m.why}); {_DAMAGED}")
+    if (not isinstance(targets, (list, tuple)) or not targets
+            or not all(isinstance(t, str) and t for t in targets)):
+        raise ExportError(f"{p}: lora_meta['target_modules'] = {str(targets)[:80]!r} is not a non-empty list of "
+                          f"module names; {_DAMAGED}")
+
+
+def _check_tensors(p: Path, state: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
+    """The LoRA tensors as one adapter per module: each a dense 2-D real floating-point tensor, exactly one
+    ``lora_A`` (``[rank, in]``) and one ``lora_B`` (``[out, rank]``) per module; returned as fp32 (what the files
+    hold), so that the finiteness check sees the values written (an fp64 1e300 is inf in fp32).
+
+    Raises:
+        ExportError: naming the first tensor or module that breaks one of these.
+    """
+    kinds: dict[str, dict[str, str]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor) or v.layout != torch.strided or v.is_meta:
+            what = type(v).__name__ if not isinstance(v, torch.Tensor) else f"{v.layout} / {v.device} tensor"
+            raise ExportError(f"{p}: {k} is a {what}, not a dense tensor; {_DAMAGED}")
+        if not v.is_floating_point():
+            raise ExportError(f"{p}: {k} has dtype {v.dtype}, not a floating-point one (the trainer saves fp32 "
+                              f"adapters); {_DAMAGED}")
+        if v.dim() != 2:
+            raise ExportError(f"{p}: {k} has shape {list(v.shape)}, not a 2-D LoRA matrix; {_DAMAGED}")
+        module, kind = _module_name(k)
+        if kind in kinds.setdefault(module, {}):
+            raise ExportError(f"{p}: {module} has two {kind} tensors ({kinds[module][kind]} and {k}): one adapter "
+                              f"per module is exported; {_DAMAGED}")
+        kinds[module][kind] = k
+        out[k] = v.detach().to(torch.float32)
+    for module, ab in sorted(kinds.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ExportError(f"{p}: {module} has only {sorted(ab)}, and a LoRA needs both lora_A and lora_B; "
+                              f"{_DAMAGED}")
+        a, b = out[ab["lora_A"]], out[ab["lora_B"]]
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise ExportError(f"{p}: {module}'s lora_A {list(a.shape)} and lora_B {list(b.shape)} are not of "
+                              f"lora_meta's rank {rank} (lora_A [rank, in], lora_B [out, rank]); {_DAMAGED}")
+    return out
 
 
 def _module_name(key: str) -> tuple[str, str]:

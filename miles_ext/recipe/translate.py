@@ -5,8 +5,9 @@
 Reads the N-GPU argument set (upstream flag names; flags it does not know pass through unchanged, in order)
 and prints the M-GPU set on the first line of stdout, then one ``# changed`` line per changed flag and one
 ``# invariant`` line per invariant saying why it holds. ``--out FILE`` also writes the argument line to FILE.
-A translation that would break an invariant is refused: exit status 2, one ``error:`` line on stderr naming
-the problem and the fix, nothing on stdout, no file written.
+A translation that would break an invariant, or that holds a number the onecard trainer would refuse (its meanings,
+:mod:`miles_ext.recipe.meanings`, for every flag read here, ``--lr`` and ``--clip-grad`` included), is refused: exit
+status 2, one ``error:`` line on stderr naming the problem and the fix, nothing on stdout, no file written.
 
 What changes, and only that: the GPU count (``--actor-num-gpus-per-node M --actor-num-nodes 1``), the run
 name (``onecard-<M>gpu-`` prefix on ``--run-name`` / ``--wandb-run-name`` when present), ``--fsdp-cpu-offload``
@@ -27,8 +28,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from miles_ext.recipe import meanings as mn
 from miles_ext.recipe.schedule import check_schedule, derive_batch
+from patches.core.config import ConfigError, Meaning, check_meaning
 from patches.core.errors import UserError, cli
+from patches.core.flags import is_whole_number
 from patches.core.io import atomic_write_text
 
 __all__ = ["TranslationError", "Translation", "translate", "main"]
@@ -57,6 +61,19 @@ _VALUE_FLAGS = (
     "--onecard-emulate-dp-size",
 )
 _BOOL_FLAGS = ("--fsdp-cpu-offload", "--use-lora", "--train-only")
+_CHECKED_PASS_FLAGS = ("--lr", "--clip-grad")
+"""Flags that pass through unchanged, token for token, but whose values are checked as the trainer checks its own."""
+
+_INT_MEANINGS: dict[str, Meaning] = {
+    "--rollout-batch-size": mn.COUNT, "--n-samples-per-prompt": mn.COUNT, "--num-steps-per-rollout": mn.COUNT,
+    "--global-batch-size": mn.COUNT, "--micro-batch-size": mn.COUNT, "--actor-num-gpus-per-node": mn.GPU_COUNT,
+    "--actor-num-nodes": mn.NODE_COUNT, "--lora-rank": mn.LORA_RANK, "--seed": mn.SEED,
+    "--onecard-emulate-dp-size": mn.GPU_COUNT,
+}
+"""The whole-number flags the translator reads, with what they may be (the trainer's own meanings,
+:mod:`miles_ext.recipe.meanings`)."""
+_FLOAT_MEANINGS: dict[str, Meaning] = {"--lora-alpha": mn.LORA_ALPHA, "--lr": mn.LR, "--clip-grad": mn.CLIP_GRAD}
+"""The real-number flags the translator reads, with what they may be."""
 RUN_NAME_FLAGS: tuple[str, ...] = ("--run-name", "--wandb-run-name")
 """Flags treated as the run name (prefixed ``onecard-<M>gpu-``). Guessed: upstream's run-name flag name is not
 in our sources, so both spellings are handled."""
@@ -82,6 +99,17 @@ def _scan(args: Sequence[str]) -> tuple[list[list[str]], dict[str, str], set[str
             items.append([name, val])
             values[name] = val
             present.add(name)
+        elif name in _CHECKED_PASS_FLAGS:  # read, and kept as written (``--lr=1e-4`` stays one token)
+            if eq:
+                items.append([tok])
+            else:
+                if i + 1 >= len(args):
+                    raise TranslationError(f"{name} needs a value; give one or drop the flag")
+                val = args[i + 1]
+                items += [[tok], [val]]
+                i += 1
+            values[name] = val
+            present.add(name)
         elif tok in _BOOL_FLAGS:
             items.append([tok])
             present.add(tok)
@@ -91,13 +119,56 @@ def _scan(args: Sequence[str]) -> tuple[list[list[str]], dict[str, str], set[str
     return items, values, present
 
 
+def _whole(text: str) -> int | None:
+    """``text`` as a whole number (ASCII digits, an optional leading ``-``), or ``None``."""
+    t = text.strip()
+    digits = t[1:] if t.startswith("-") else t
+    return int(t) if is_whole_number(digits) else None
+
+
 def _int(values: dict[str, str], flag: str, default: int | None) -> int | None:
+    """``flag``'s value as a whole number checked by its meaning (:data:`_INT_MEANINGS`), or ``default`` when absent."""
     if flag not in values:
         return default
+    value = _whole(values[flag])
+    if value is None:
+        raise TranslationError(f"{flag} must be an integer (ASCII digits), got {values[flag]!r}; fix the value")
+    _check_flag(value, flag)
+    return value
+
+
+def _float(values: dict[str, str], flag: str) -> float | None:
+    """``flag``'s value as a number checked by its meaning (:data:`_FLOAT_MEANINGS`), or ``None`` when absent."""
+    if flag not in values:
+        return None
     try:
-        return int(values[flag])
+        value = float(values[flag])
     except ValueError:
-        raise TranslationError(f"{flag} must be an integer, got {values[flag]!r}") from None
+        raise TranslationError(f"{flag} must be a number, got {values[flag]!r}; fix the value") from None
+    _check_flag(value, flag)
+    return value
+
+
+def _check_flag(value: int | float, flag: str) -> None:
+    """``value`` of ``flag`` against the trainer's meaning of it; :class:`TranslationError` (one line) otherwise."""
+    m = {**_INT_MEANINGS, **_FLOAT_MEANINGS, "--from-gpus": mn.GPU_COUNT, "--to-gpus": mn.GPU_COUNT}[flag]
+    try:
+        check_meaning(value, m, flag)
+    except ConfigError as e:
+        raise TranslationError(str(e)) from None
+
+
+def _check_numbers(values: dict[str, str]) -> None:
+    """Every number the translator reads, as the trainer checks it: each flag by its meaning, then the adapter step
+    ``(alpha / rank) x lr`` when all three are given (:func:`miles_ext.recipe.meanings.adapter_step_problem`)."""
+    for flag in _INT_MEANINGS:
+        _int(values, flag, None)
+    floats = {flag: _float(values, flag) for flag in _FLOAT_MEANINGS}
+    rank = _int(values, "--lora-rank", None)
+    if rank is not None and floats["--lora-alpha"] is not None and floats["--lr"] is not None:
+        why = mn.adapter_step_problem(rank, floats["--lora-alpha"], floats["--lr"])
+        if why:
+            raise TranslationError(why)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,16 +199,22 @@ def translate(args: Sequence[str], from_gpus: int, to_gpus: int = 1) -> Translat
     ``--global-batch-size``); ``--fsdp-master-dtype`` outside fp32/bf16; no ``--use-lora`` (a bf16 master would
     round trained weights); ``--diffusion-forward-dtype`` other than bf16 (a bf16 master would then change the
     gathered weights); a stride DP split; ``--onecard-emulate-dp-size`` already set; ``to_gpus`` not dividing
-    ``from_gpus`` (each GPU must emulate whole source ranks).
+    ``from_gpus`` (each GPU must emulate whole source ranks); a number the trainer would refuse (each flag it reads
+    by the trainer's meaning of it, :mod:`miles_ext.recipe.meanings`: NaN, a count or rank below 1, a GPU or node
+    count <= 0, ``--lr`` above 1, an integer beyond 64 bits, digits that are not ASCII, a rollout of more than 2**20
+    samples, ``(alpha / rank) x lr`` above 1).
     """
     if from_gpus < 1 or to_gpus < 1:
         raise TranslationError("--from-gpus and --to-gpus must be >= 1")
+    _check_flag(from_gpus, "--from-gpus")
+    _check_flag(to_gpus, "--to-gpus")
     if from_gpus % to_gpus:
         raise TranslationError(
             f"--to-gpus {to_gpus} does not divide --from-gpus {from_gpus}: each GPU must emulate whole source "
             "ranks; pick a divisor"
         )
     items, values, present = _scan(args)
+    _check_numbers(values)
 
     per_node = _int(values, "--actor-num-gpus-per-node", None)
     nodes = _int(values, "--actor-num-nodes", 1)
@@ -268,12 +345,20 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
+def _gpu_count(text: str) -> int:
+    """``--from-gpus`` / ``--to-gpus``: a whole number in ASCII digits (its range is :func:`translate`'s)."""
+    value = _whole(text)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be a whole number (ASCII digits), got {text!r}")
+    return value
+
+
 def _translate_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m miles_ext.recipe.translate", allow_abbrev=False, description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p
-    t.add_argument("--from-gpus", type=int, required=True, help="GPU count of the source recipe (e.g. 8)")
-    t.add_argument("--to-gpus", type=int, default=1, help="GPU count to run on (default 1)")
+    t.add_argument("--from-gpus", type=_gpu_count, required=True, help="GPU count of the source recipe (e.g. 8)")
+    t.add_argument("--to-gpus", type=_gpu_count, default=1, help="GPU count to run on (default 1)")
     t.add_argument("--out", type=Path, default=None, help="also write the translated argument line here")
     return p
 

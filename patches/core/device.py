@@ -14,6 +14,7 @@ import os
 import torch
 
 from patches.core.errors import UserError
+from patches.core.flags import MAX_GPU_GIB
 from patches.core.runtime import GiB
 
 __all__ = ["GPU_MEMORY_ENV", "gpu_memory_cap_gib", "gpu_budget_bytes", "pick_device"]
@@ -26,7 +27,8 @@ def gpu_memory_cap_gib(total_bytes: int | None = None, environ: dict[str, str] |
     """``$ONECARD_GPU_MEMORY_GIB`` in GiB, or ``None`` when unset or empty.
 
     Args:
-        total_bytes: the card's memory; when given, a cap above it is refused.
+        total_bytes: the card's memory; when given, a cap above it is refused (without it, one above
+            :data:`patches.core.flags.MAX_GPU_GIB`).
 
     Raises:
         UserError: not a finite number > 0, or above ``total_bytes`` (one line naming the variable and the range).
@@ -38,8 +40,9 @@ def gpu_memory_cap_gib(total_bytes: int | None = None, environ: dict[str, str] |
         gib = float(raw)
     except ValueError:
         gib = math.nan
-    top = f"{total_bytes / GiB:.2f}" if total_bytes else "the card's memory"
-    if not (math.isfinite(gib) and gib > 0 and (total_bytes is None or gib * GiB <= total_bytes)):
+    top = f"{total_bytes / GiB:.2f}" if total_bytes else f"{MAX_GPU_GIB:g}"
+    limit = total_bytes / GiB if total_bytes is not None else MAX_GPU_GIB  # no card known: an absurd cap still fails
+    if not (math.isfinite(gib) and 0 < gib <= limit):
         raise UserError(f"{GPU_MEMORY_ENV}={raw!r} must be a number of GiB in (0, {top}] for this card: fix it, or "
                         "unset it for the whole card")
     return gib

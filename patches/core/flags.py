@@ -146,6 +146,52 @@ def is_whole_number(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+MAX_GPU_GIB = 1024.0
+"""The largest GPU budget in GiB any planner takes for one card (no card holds a TiB; an H200 has 141 GB): a larger
+one is a typo, and ``gib * 2**30`` of an absurd one overflows."""
+MAX_RANKS_PER_NODE = 1024
+"""The most ranks (``NPROC_PER_NODE``) one node may start, as the trainer's launch check says."""
+MAX_NODES = 1024
+"""The most nodes (``NNODES``) a launch may span."""
+MAX_WORLD_SIZE = MAX_RANKS_PER_NODE * MAX_NODES
+"""The largest world size (``--world-size``, ``NPROC_PER_NODE`` x ``NNODES``) the planners take."""
+
+
+def _whole_number_problem(text: str, at_least: int, at_most: int, what: str) -> str | None:
+    if is_whole_number(text) and at_least <= int(text) <= at_most:
+        return None
+    return (f"{text!r} is not a whole number from {at_least} to {at_most}{f' ({what})' if what else ''}: give plain "
+            "digits in that range")
+
+
+def whole_number(text: str, source: str, at_least: int, at_most: int, what: str = "") -> int:
+    """``text`` as a whole number in ``[at_least, at_most]``: plain ASCII digits only (:func:`is_whole_number`; no
+    sign, spaces, ``_`` or exponent).
+
+    Raises:
+        FlagError: anything else, one line naming ``source`` (a ``--flag`` or a variable), the value and the range.
+    """
+    problem = _whole_number_problem(text, at_least, at_most, what)
+    if problem:
+        raise FlagError(f"{source}={problem}" if not source.startswith("-") else f"{source} {problem}")
+    return int(text)
+
+
+def whole_number_arg(at_least: int, at_most: int, what: str = ""):
+    """An ``argparse`` ``type=``: :func:`whole_number` in ``[at_least, at_most]``; a refusal is argparse's one line
+    (with :class:`patches.core.errors.ArgumentParser`: ``error: PROG: argument --flag: '0' is not ...``)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        problem = _whole_number_problem(text, at_least, at_most, what)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return int(text)
+
+    parse.__name__ = "whole number"
+    return parse
+
+
 def setting(source: str, value: object) -> str:
     """How a setting reads in a message: ``--flag 3`` for a command-line flag, ``NAME=3`` for a variable."""
     return f"{source} {value}" if source.startswith("-") else f"{source}={value}"
@@ -209,8 +255,9 @@ MILES_GPU_BUDGET_GIB = "MILES_GPU_BUDGET_GIB"
 
 
 def env_number(name: str, above: float, fix: str, environ: dict[str, str] | None = None,
-               at_least: bool = False) -> float | None:
-    """``$name`` as a finite float ``> above`` (``>= above`` with ``at_least``), or ``None`` when unset or empty.
+               at_least: bool = False, at_most: float = math.inf) -> float | None:
+    """``$name`` as a finite float ``> above`` (``>= above`` with ``at_least``) and ``<= at_most``, or ``None`` when
+    unset or empty.
 
     Raises:
         FlagError: not a number, ``nan``/``inf``, or out of range: one line naming the variable, its value and
@@ -223,7 +270,7 @@ def env_number(name: str, above: float, fix: str, environ: dict[str, str] | None
         value = float(raw.strip())
     except ValueError:
         value = float("nan")
-    if not (math.isfinite(value) and (value >= above if at_least else value > above)):
+    if not (math.isfinite(value) and (value >= above if at_least else value > above) and value <= at_most):
         raise FlagError(f"{name}={raw!r}: {fix}")
     return value
 
@@ -232,10 +279,11 @@ def miles_gpu_budget_gib(environ: dict[str, str] | None = None) -> float | None:
     """``$MILES_GPU_BUDGET_GIB`` in GiB, or ``None`` when unset or empty.
 
     Raises:
-        FlagError: not a finite number > 0 (``abc``, ``0``, ``-3``, ``nan``, ``inf``), naming the variable.
+        FlagError: not a finite number > 0 and <= :data:`MAX_GPU_GIB` (``abc``, ``0``, ``-3``, ``nan``, ``inf``,
+            ``1e300``), naming the variable.
     """
-    return env_number(MILES_GPU_BUDGET_GIB, 0.0, "is not a GPU budget: set a finite number of GiB > 0 (e.g. 80), "
-                      "or unset it for the card's total memory", environ)
+    return env_number(MILES_GPU_BUDGET_GIB, 0.0, f"is not a GPU budget: set a number of GiB > 0 and <= {MAX_GPU_GIB:g} "
+                      "(e.g. 80), or unset it for the card's total memory", environ, at_most=MAX_GPU_GIB)
 
 
 def sample_interval_s(environ: dict[str, str] | None = None) -> float:

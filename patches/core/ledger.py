@@ -9,7 +9,9 @@ is listed separately.
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from .flags import MAX_GPU_GIB
 from .runtime import GiB
 
 
@@ -102,13 +104,25 @@ class Ledger:
         }
 
 
+MIN_BUDGET_GIB = 0.01
+"""The smallest budget :func:`parse_budget` takes (10 MiB): below it the byte count rounds to nothing."""
+
+
 def parse_budget(text: str, name: str = "--budget-gib") -> int:
-    """``--budget-gib`` (or the variable ``name``) text -> bytes; raises ``ValueError`` naming ``name`` and the fix
-    for a non-positive or non-number."""
+    """``--budget-gib`` (or the variable ``name``) text -> bytes.
+
+    Raises:
+        ValueError: not a number, or not a finite number of GiB from :data:`MIN_BUDGET_GIB` to
+            :data:`patches.core.flags.MAX_GPU_GIB` (``nan``, ``inf``, ``-1``, ``0``, ``1e300``: whose bytes would
+            overflow), one line naming ``name`` and the fix.
+    """
     try:
         gib = float(text)
     except ValueError:
         raise ValueError(f"{name} {text!r} is not a number: give the card's usable GiB, e.g. 22.06") from None
-    if not gib > 0 or gib != gib or gib == float("inf"):
+    if not (math.isfinite(gib) and gib > 0):
         raise ValueError(f"{name} {text!r} must be a positive number of GiB, e.g. 22.06")
+    if not MIN_BUDGET_GIB <= gib <= MAX_GPU_GIB:
+        raise ValueError(f"{name} {text!r} is not one card's memory: give its usable GiB, from {MIN_BUDGET_GIB:g} to "
+                         f"{MAX_GPU_GIB:g} (e.g. 22.06)")
     return int(gib * GiB)
