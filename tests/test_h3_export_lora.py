@@ -234,3 +234,7 @@ def test_every_exported_tensor_is_fp32_from_a_bf16_checkpoint(tmp_path):
     assert torch.equal(comfy["diffusion_model.blocks.0.attn.qkv_proj.lora_down.weight"],
                        torch.cat([lora[f"transformer_blocks.0.attn.to_{x}.lora_A.default.weight"].float()
                                   for x in "qkv"]))
+    # the layout functions themselves keep their contract for a bf16 state given to them directly (the loader
+    # casts to fp32 first, so the end-to-end files alone would not show a layout function that kept bf16)
+    assert {v.dtype for v in export_lora.peft_state_dict(lora).values()} == {torch.float32}
+    assert {v.dtype for v in export_lora.comfyui_state_dict(lora, RANK, ALPHA).values()} == {torch.float32}

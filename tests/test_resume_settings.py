@@ -133,7 +133,7 @@ def test_cosmos_truncated_latest_checkpoint_is_one_line_and_the_resume_is_exact(
     (m.dir / ".iter_000000005.pt.tmp-x1y2").write_bytes(b"half")  # what a killed save leaves
     rc, out, err = run_main(["--sft-toml", toml], capsys)
     assert rc == 0, err
-    said = [x for x in err.splitlines() if "damaged" in x]
+    said = [x for x in err.splitlines() if "is damaged" in x]
     assert len(said) == 1 and said[0].startswith("onecard: warning: checkpoint ") and str(m.path(4)) in said[0]
     assert "resuming from iter_000000002.pt" in said[0]
     assert "Warning" not in err and "warnings.warn" not in err  # one line, not a Python warning's two
@@ -222,7 +222,7 @@ def test_h3_resume_refuses_new_lr_and_lora_alpha_reports_damage_and_locks(tmp_pa
     m.path(2).write_bytes(first[: len(first) // 3])
     rc, o, err = h3(out, two_clip_dataset, "--num-rollout", "2", monkeypatch=monkeypatch, capsys=capsys)
     assert rc == 0, err
-    said = [x for x in err.splitlines() if "damaged" in x]
+    said = [x for x in err.splitlines() if "is damaged" in x]
     assert len(said) == 1 and said[0].startswith("onecard: warning: checkpoint ") and "iter_000000002.pt" in said[0]
     assert "removing stale lock" in o and f"resumed from {m.path(1)} after rollout 1" in o
     assert "--num-rollout changed since" in o and "1 -> 2 (applied)" in o

@@ -95,7 +95,7 @@ def test_cosmos_trainer_refuses_a_nan_lr_in_one_line_and_writes_nothing(env, cap
     (["--lr", "nan"], "--lr = nan must be a finite number"),
     (["--lr=-1e-4"], "--lr = -0.0001 must be > 0"),
     (["--clip-grad", "inf"], "--clip-grad = inf must be a finite number"),
-    (["--seed", str(2**70)], "--seed = 1180591620717411303424 does not fit"),
+    (["--seed", str(2**70)], "argument --seed: 1180591620717411303424 does not fit a 64-bit signed integer"),
     (["--keep-checkpoints", "-1"], "--keep-checkpoints = -1 must be >= 0"),
     (["--master-port", "70000"], "--master-port = 70000 must be >= 1 and <= 65535"),
     (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "auto", "--gpu-budget-gib", "nan"], "--gpu-budget-gib = nan"),
@@ -105,7 +105,11 @@ def test_h3_flags_are_checked_by_meaning_before_anything(tmp_path, capsys, args,
     from miles_ext.recipe import train
 
     out = tmp_path / "run"
-    assert train.main([*args, "--validate-only", "--output-dir", str(out)]) == 2
+    try:
+        rc = train.main([*args, "--validate-only", "--output-dir", str(out)])
+    except SystemExit as e:  # argparse's own refusal (a type error), one line through ArgumentParser.error
+        rc = e.code
+    assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert not out.exists()
@@ -759,3 +763,78 @@ def test_rows_that_fit_the_cap_only_without_their_caption_are_said(env, capsys):
     check(recipe)
     out = capsys.readouterr().out
     assert "fit the packing cap" in out and "only with their caption dropped" in out, out
+
+
+def test_a_damaged_checkpoint_is_set_aside_so_retention_keeps_the_good_ones(tmp_path, capsys, monkeypatch):
+    """keep 2, checkpoints 3 and 5, 5 truncated: the rerun to 6 resumes from 3, sets 5 aside as
+    ``iter_000000005.pt.damaged`` and keeps 3 and 6 (before, retention kept the damaged 5 and deleted the good 3)."""
+    from patches.core.checkpoint import CheckpointManager as CM
+    from tests.test_core_skeleton import ToyRecipe, run_toy
+
+    def setup(root):
+        cm = CM(root, keep=2)
+        cm.save(3, ToyRecipe(root, 3).state_dict() | {"x": 3})
+        cm.save(5, ToyRecipe(root, 5).state_dict() | {"x": 5})
+        cm.path(5).write_bytes(cm.path(5).read_bytes()[:100])
+        return cm
+
+    cm = setup(tmp_path / "fixed")
+    assert run_toy(ToyRecipe(tmp_path / "fixed", 6, save_every=3, keep=2)) == 0  # saves at 6 only
+    assert [s for s, _ in cm.all()] == [3, 6] and (cm.dir / "iter_000000005.pt.damaged").is_file()
+    err = capsys.readouterr().err
+    assert "set aside 1 damaged checkpoint(s) as iter_000000005.pt.damaged" in err, err
+    monkeypatch.setattr(CM, "set_aside_damaged", lambda self: [])  # planted: the damaged file stays a checkpoint
+    cm = setup(tmp_path / "planted")
+    assert run_toy(ToyRecipe(tmp_path / "planted", 6, save_every=3, keep=2)) == 0
+    assert [s for s, _ in cm.all()] == [5, 6]  # the good 3 is gone: what the set-aside prevents
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", '[job]\nname = "x"\n'], ids=["empty", "comment", "job-only"])
+def test_a_recipe_toml_without_its_tables_is_refused(tmp_path, text):
+    """An empty, comment-only or one-table TOML used to pass and train on the built-in defaults (max_iter 500, cap
+    45056) in silence; the shipped recipes hold every table (planted: the check passes them)."""
+    from cosmos_framework_ext.recipe import config as cfgmod
+
+    bad = tmp_path / "recipe.toml"
+    bad.write_text(text)
+    with pytest.raises(cfgmod.ConfigError, match=r"has no .*\[trainer\].* a recipe TOML states each of") as e:
+        cfgmod.load(bad)
+    assert "\n" not in str(e.value)
+    for toml in sorted((REPO / "toml").glob("*.toml")):
+        cfgmod.load(toml)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-iter", "٥"], "argument --max-iter: '٥' is not a number in ASCII digits"),
+    (["--max-iter", "99999999999999999999999"], "does not fit a 64-bit signed integer"),
+], ids=["arabic-indic-digit", "beyond-int64"])
+def test_command_line_numbers_are_ascii_and_fit_64_bits(argv, needle, capsys):
+    """``int("٥")`` is 5 in Python: every ``type=int``/``float`` flag of every command reads ASCII only, and an int
+    fits 64 bits (:func:`patches.core.errors.ascii_number`, installed by its ``ArgumentParser``)."""
+    from cosmos_framework_ext.recipe import train
+    from patches.core.errors import ArgumentParser, ascii_number
+
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--sft-toml", "x.toml", *argv])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and line.startswith("error: ") and needle in line, line
+    assert ascii_number(int)("9223372036854775807") == 2**63 - 1 and ascii_number(float)("1e-4") == 1e-4
+    p = ArgumentParser(prog="p")
+    p.add_argument("--n", type=int)
+    assert p.parse_args(["--n", "7"]).n == 7  # planted: plain digits still parse
+
+
+def test_dryrun_refuses_a_bad_card_cap_as_the_run_would(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("COSMOS_", "MEMTEST", "EMAVAL"))},
+           "PYTHON": sys.executable, "DRYRUN": "1", "COSMOS_EMA_CPU_SUBSET": "1", "ONECARD_GPU_MEMORY_GIB": "nan"}
+    r = subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], env=env, capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: ONECARD_GPU_MEMORY_GIB='nan' must be a number of GiB in (0, 1024] for this card: fix it, or unset it "
+        "for the whole card"], r.stderr
+    env["ONECARD_GPU_MEMORY_GIB"] = "20"  # planted: a good cap fits
+    assert subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path).returncode == 0

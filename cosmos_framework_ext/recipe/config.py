@@ -410,7 +410,8 @@ def load(path: str | Path) -> SFTConfig:
     """Read and validate an SFT TOML.
 
     Raises:
-        ConfigError: the file is missing, a directory, or not valid TOML, or fails :func:`from_dict`.
+        ConfigError: the file is missing, a directory, or not valid TOML, lacks one of :data:`REQUIRED_TABLES`, or
+            fails :func:`from_dict`.
     """
     p = Path(path)
     if p.is_dir():
@@ -422,7 +423,17 @@ def load(path: str | Path) -> SFTConfig:
         data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p} is not valid TOML: {e}") from None
+    missing = [t for t in REQUIRED_TABLES if t not in data]
+    if missing:  # an empty, cut-off or one-table file would otherwise train on the defaults, in silence
+        raise ConfigError(f"{p} has no {', '.join(f'[{t}]' for t in missing)} table{'s' if len(missing) > 1 else ''}: a "
+                          "recipe TOML states each of " + " ".join(f"[{t}]" for t in REQUIRED_TABLES)
+                          + " (copy one of toml/*.toml and edit it)")
     return from_dict(data, p)
+
+
+REQUIRED_TABLES = ("job", "model", "optimizer", "scheduler", "trainer", "checkpoint", "dataloader_train")
+"""The tables every recipe file holds (upstream's TOML layout; ``[onecard]`` is optional): :func:`load` refuses a file
+without one of them instead of filling it from the defaults."""
 
 
 _NOT_UPSTREAM = ("fsdp_master_dtype", "fsdp_reduce_dtype")

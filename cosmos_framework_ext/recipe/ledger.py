@@ -26,7 +26,8 @@ import os
 import sys
 from typing import Any, Iterable
 
-from patches.core.errors import ArgumentParser
+from patches.core.device import gpu_memory_cap_gib
+from patches.core.errors import ArgumentParser, UserError
 from patches.core import flags as flagmod
 from patches.core.flags import EMA_CPU_SUBSET, FROZEN_BF16, LATENT_CACHE, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
 from patches.core.ledger import Item, Ledger, parse_budget
@@ -213,10 +214,11 @@ def main(argv: Iterable[str] | None = None) -> int:
             budget = parse_budget(args.budget_gib)
         else:  # unset or blank: the default, as every other variable reads
             budget = parse_budget((os.environ.get("BUDGET_GIB") or "").strip() or "22.06", "BUDGET_GIB")
+        gpu_memory_cap_gib()  # a bad card cap is refused here too, as the trainer would refuse it
         cfg = cfgmod.load(args.toml)
         env_flags = flagmod.read_all()
         ledger = cosmos_ledger(cfg, args.preset, env_flags, world_size=args.world_size)
-    except (ValueError, flagmod.FlagError) as e:
+    except (ValueError, flagmod.FlagError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(ledger.format(budget))

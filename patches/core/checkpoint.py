@@ -18,7 +18,9 @@ a save killed at any moment leaves every file that was there before. ``keep = 0`
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import re
 import warnings
 from pathlib import Path
@@ -55,6 +57,8 @@ class CheckpointManager:
         self.write = write
         self.load_kw = dict(load_kw or {})
         self.keep = keep
+        self.damaged: list[Path] = []
+        """The files the last :meth:`load_latest` skipped as damaged, newest first."""
 
     def path(self, step: int) -> Path:
         """``checkpoints/iter_<step, 9 digits>.pt``."""
@@ -107,6 +111,7 @@ class CheckpointManager:
 
         load_kw = {"map_location": "cpu", "weights_only": False, **self.load_kw, **load_kw}
         found = self.all()
+        self.damaged = []
         for i, (_, path) in reversed(list(enumerate(found))):
             try:
                 state = torch.load(path, **load_kw)
@@ -118,6 +123,7 @@ class CheckpointManager:
                 if problem is None:
                     return path, state
                 why = " ".join(f"ValueError: not a checkpoint of this run: {problem}".split())[:160]
+            self.damaged.append(path)
             then = f"resuming from {found[i - 1][1].name} if it reads" if i else "no older one: starting anew"
             msg = f"checkpoint {path} is damaged ({why}); {then}"
             if on_damaged is None:
@@ -125,6 +131,19 @@ class CheckpointManager:
             else:
                 on_damaged(msg)
         return None
+
+    def set_aside_damaged(self) -> list[Path]:
+        """Rename each file the last :meth:`load_latest` skipped to ``<name>.damaged`` (kept for a look, no longer a
+        checkpoint: not the newest, not counted by retention, so ``keep`` never deletes a good checkpoint while a
+        damaged one stays). Returns the new paths; nothing happens without ``write``."""
+        moved = []
+        for p in self.damaged if self.write else []:
+            target = p.with_name(p.name + ".damaged")
+            with contextlib.suppress(FileNotFoundError):  # another rank set it aside first
+                os.replace(p, target)
+                moved.append(target)
+        self.damaged = []
+        return moved
 
     def clean_stale(self) -> list[Path]:
         """Remove temporary files a killed save left in the checkpoint folder; returns what was removed."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, NoReturn
+from typing import Any, Callable, NoReturn
 
 
 class UserError(ValueError):
@@ -30,6 +30,29 @@ EXIT_INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT, the shell's convention)."""
 
 
+INT64_MAX = 2**63 - 1
+
+
+def ascii_number(kind: type) -> Callable[[str], Any]:
+    """An argparse ``type=`` that reads ``kind`` (``int`` or ``float``) from ASCII text only: ``int()`` and
+    ``float()`` also take other scripts' digits (``"٥"`` is 5), which no shell user means; an ``int`` must fit a
+    64-bit signed integer (what every count and seed here becomes in torch). Refusals are argparse's one line."""
+
+    def parse(text: str) -> Any:
+        if not text.isascii():
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number in ASCII digits: type it with 0-9")
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if kind is int and abs(value) > INT64_MAX:
+            raise argparse.ArgumentTypeError(f"{text} does not fit a 64-bit signed integer (at most {INT64_MAX})")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose refusals are one ``error:`` line, exit status 2.
 
@@ -37,6 +60,13 @@ class ArgumentParser(argparse.ArgumentParser):
     --help`` only. A value that starts with ``-`` (``--lr -1e-4``) reads to argparse as a flag; the line then says to
     write it with ``=`` (``--lr=-1e-4``).
     """
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        """As argparse's, with ``type=int`` / ``type=float`` read from ASCII text only (Python's ``int("٥")`` is 5)
+        and an ``int`` bounded to a 64-bit signed integer (:func:`ascii_number`)."""
+        if kwargs.get("type") in (int, float):
+            kwargs["type"] = ascii_number(kwargs["type"])
+        return super().add_argument(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         hint = ""

@@ -293,6 +293,11 @@ def resume(recipe: Recipe) -> int:
                      f"({', '.join(p.name for p in stale[:3])})")
     found = recipe.checkpoints.load_latest(on_damaged=lambda msg: _report(recipe, f"warning: {msg}"),
                                            validate=recipe.checkpoint_problem)
+    if recipe.main_rank and recipe.checkpoints.damaged:
+        moved = recipe.checkpoints.set_aside_damaged()
+        if moved:
+            _report(recipe, f"set aside {len(moved)} damaged checkpoint(s) as {', '.join(p.name for p in moved[:3])}: "
+                            "no longer counted as checkpoints, so retention keeps the good ones")
     if found is None:
         if recipe.checkpoints.dir.exists() or (recipe.run_dir / "tensorboard").exists():
             _report(recipe, f"no checkpoint in {recipe.checkpoints.dir}: an earlier run here saved none, so this one "
