@@ -45,7 +45,7 @@ def ascii_number(kind: type) -> Callable[[str], Any]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if kind is int and abs(value) > INT64_MAX:
+        if kind is int and not -INT64_MAX - 1 <= value <= INT64_MAX:  # the range of config.Meaning(bits=64)
             raise argparse.ArgumentTypeError(f"{text} does not fit a 64-bit signed integer (at most {INT64_MAX})")
         return value
 
