@@ -114,8 +114,8 @@ def _table_status(values: dict[str, bool | str], root: str, ps) -> int:
     for p in ps.patches:
         try:
             p.check(ps.supported)
-            off = f"{p.flag.name} unset" if isinstance(p.flag, flags.ChoiceFlag) else f"{p.flag.name}=0"
-            state = "ok, would be patched" if values[p.flag.name] else f"ok, left alone ({off})"
+            off = ", ".join(f"{f.name} unset" if isinstance(f, flags.ChoiceFlag) else f"{f.name}=0" for f in p.flags)
+            state = "ok, would be patched" if p.wanted(values) else f"ok, left alone ({off})"
         except UpstreamMismatch as e:
             state = f"MISMATCH: {e}"
             mismatches += 1

@@ -13,7 +13,7 @@ the torch backend.
 
 from __future__ import annotations
 
-from .core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
+from .core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, FROZEN_BF16, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
 from .guard import Patch, PatchSet
 
 SUPPORTED = "cosmos-framework ed8287f (2026-07-21) and 5eee9ed (2026-08-21)"
@@ -30,8 +30,8 @@ PATCHES = [
     Patch("ema.checkpoint_save", EMA_CPU_SUBSET, f"{_DCP}.state_dict", (("self",),), f"{_IMPL}:patched_wrapper_state_dict"),
     Patch("ema.checkpoint_load", EMA_CPU_SUBSET, f"{_DCP}.load_state_dict", (("self", "state_dict"),),
           f"{_IMPL}:patched_wrapper_load_state_dict"),
-    Patch("ema.checkpoint_broadcast", EMA_CPU_SUBSET, "cosmos_framework.checkpoint.dcp:_broadcast_tensor_leaf",
-          (("value",),), f"{_IMPL}:patched_broadcast_tensor_leaf"),
+    Patch("checkpoint.broadcast", EMA_CPU_SUBSET, "cosmos_framework.checkpoint.dcp:_broadcast_tensor_leaf",
+          (("value",),), f"{_IMPL}:patched_broadcast_tensor_leaf", also=(FROZEN_BF16,)),
     Patch("vae.set_up_tokenizers", VAE_CPU_OFFLOAD, f"{_MODEL}.set_up_tokenizers", (("self",),),
           f"{_IMPL}:patched_set_up_tokenizers"),
     Patch("vae.get_data_and_condition", VAE_CPU_OFFLOAD, f"{_MODEL}.get_data_and_condition",
@@ -42,6 +42,8 @@ PATCHES = [
     Patch("vae.decode", VAE_CPU_OFFLOAD, f"{_MODEL}.decode", (("self", "latent"),), f"{_IMPL}:with_vae_on_device"),
     Patch("optim.state_offload", OPTIM_STATE_OFFLOAD, f"{_OPTIM}:_optimizer_cls",
           (("params", "optimizer_type", "optimizer_kwargs"),), f"{_IMPL}:patched_optimizer_cls"),
+    Patch("frozen.init_optimizer", FROZEN_BF16, f"{_MODEL}.init_optimizer_scheduler",
+          (("self", "optimizer_config", "scheduler_config"),), f"{_IMPL}:patched_init_optimizer_scheduler"),
     Patch("attention.choose_backend", ATTN_BACKEND, f"{_ATTN}:choose_backend", (_CHOOSE_BACKEND,),
           "cosmos_framework_ext.upstream.attention:patched_choose_backend"),
 ]

@@ -52,6 +52,17 @@ class Patch:
     supported upstream signature."""
     impl: str
     """Import string ``"module:function"`` of the factory that builds the replacement from the original."""
+    also: tuple[Flag | ChoiceFlag, ...] = ()
+    """Further flags whose levers need the same replacement (one target is patched once, whichever asks)."""
+
+    @property
+    def flags(self) -> tuple[Flag | ChoiceFlag, ...]:
+        """Every flag that turns this patch on: :attr:`flag` first, then :attr:`also`."""
+        return (self.flag, *self.also)
+
+    def wanted(self, flags: dict[str, Any]) -> bool:
+        """Whether any of :attr:`flags` is on in ``flags`` (env-variable name -> value)."""
+        return any(flags.get(f.name) for f in self.flags)
 
     def factory(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """The implementation's factory, imported now."""
@@ -99,7 +110,8 @@ class Patch:
             expected = " or ".join(str(p) for p in self.params)
             raise UpstreamMismatch(
                 f"{self.target} has parameters {found}, expected {expected}: this upstream is not one "
-                f"onecard supports ({supported}); check out a supported commit or unset {self.flag.name}"
+                f"onecard supports ({supported}); check out a supported commit or unset "
+                f"{' and '.join(f.name for f in self.flags)}"
             )
         return owner, attr, current
 
@@ -121,7 +133,7 @@ class PatchSet:
 
     def wanted(self, flags: dict[str, bool]) -> list[Patch]:
         """The patches whose flag is on in ``flags`` (env-variable name -> value)."""
-        return [p for p in self.patches if flags.get(p.flag.name)]
+        return [p for p in self.patches if p.wanted(flags)]
 
     def apply(self, flags: dict[str, bool]) -> list[str]:
         """Check every wanted target, then install every replacement; returns the patched targets.

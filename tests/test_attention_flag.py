@@ -75,7 +75,8 @@ def _write_checkout(root: Path, frontend: str = FRONTEND_SOURCE) -> None:
     (cf / "model" / "generator" / "omni_mot_model.py").write_text(
         "class OmniMoTModel:\n    def set_up_model(self): ...\n    def set_up_tokenizers(self): ...\n"
         "    def get_data_and_condition(self, data_batch, iteration, vision_condition_indexes): ...\n"
-        "    def encode(self, state): ...\n    def decode(self, latent): ...\n")
+        "    def encode(self, state): ...\n    def decode(self, latent): ...\n"
+        "    def init_optimizer_scheduler(self, optimizer_config, scheduler_config): ...\n")
     (cf / "checkpoint" / "dcp.py").write_text(
         "def _broadcast_tensor_leaf(value): ...\n"
         "class ModelWrapper:\n    def state_dict(self): ...\n    def load_state_dict(self, state_dict): ...\n")

@@ -46,6 +46,21 @@ def _table(signature=(("self",),)):
     ])
 
 
+def test_a_patch_that_two_levers_need_is_applied_for_either_and_once_for_both(fake_upstream):
+    from patches.core.flags import FROZEN_BF16
+
+    original = fake_upstream.Model.set_up
+    ps = PatchSet("fake", "fake@abc123", [Patch("shared.set_up", EMA_CPU_SUBSET, "fake_upstream_mod:Model.set_up",
+                                                (("self",),), "fake_upstream_mod:ema_impl", also=(FROZEN_BF16,))])
+    assert ps.apply({}) == []
+    for flags in ({FROZEN_BF16.name: True}, {EMA_CPU_SUBSET.name: True, FROZEN_BF16.name: True}):
+        assert ps.apply(flags) == ["fake_upstream_mod:Model.set_up"]
+        assert fake_upstream.Model().set_up() == ("ema", "original set_up")  # wrapped once
+        assert ps.status() == [("shared.set_up", "fake_upstream_mod:Model.set_up", True)]
+        ps.revert()
+        assert fake_upstream.Model.set_up is original
+
+
 def test_apply_only_flagged_patches_then_revert(fake_upstream):
     original_set_up, original_encode = fake_upstream.Model.set_up, fake_upstream.Model.encode
     ps = _table()
@@ -169,8 +184,10 @@ def test_cosmos_table_names_real_targets():
     from patches.cosmos_table import PATCHES, SUPPORTED
 
     assert "ed8287f" in SUPPORTED and "5eee9ed" in SUPPORTED
+    from patches.core.flags import FROZEN_BF16
+
     assert {p.flag.name for p in PATCHES} == {EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, ATTN_BACKEND.name,
-                                              OPTIM_STATE_OFFLOAD.name}
+                                              OPTIM_STATE_OFFLOAD.name, FROZEN_BF16.name}
     assert all(p.target.startswith("cosmos_framework.") for p in PATCHES)
 
 
@@ -209,7 +226,8 @@ def _fake_checkout(root, with_methods: bool):
     (util / "optimizer.py").write_text("def _optimizer_cls(params, optimizer_type, **optimizer_kwargs): ...\n")
     methods = ("    def set_up_model(self): ...\n    def set_up_tokenizers(self): ...\n"
                "    def get_data_and_condition(self, data_batch, iteration, vision_condition_indexes): ...\n"
-               "    def encode(self, state): ...\n    def decode(self, latent): ...\n") if with_methods else "    pass\n"
+               "    def encode(self, state): ...\n    def decode(self, latent): ...\n"
+               "    def init_optimizer_scheduler(self, optimizer_config, scheduler_config): ...\n") if with_methods else "    pass\n"
     (gen / "omni_mot_model.py").write_text("class OmniMoTModel:\n" + methods)
     attn = root / "cosmos_framework" / "model" / "attention"
     attn.mkdir()

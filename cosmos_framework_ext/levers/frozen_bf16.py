@@ -146,3 +146,127 @@ class FrozenBF16:
         for h in self._handles:
             h.remove()
         self.arena.release()
+
+
+class WrappedFrozenBF16:
+    """The same lever on a model FSDP2 has already wrapped: upstream cosmos-framework's order.
+
+    Upstream builds ``net``, casts it to the fp32 master dtype and wraps it with FSDP2 in ``build_net``; only later,
+    when it builds the optimizer (``keys_to_select``), does it mark which parameters train. So here, after that:
+    for every FSDP2 unit whose ``MixedPrecisionPolicy.param_dtype`` is ``compute_dtype``, each frozen fp32
+    parameter it manages is replaced by a parameter holding the ``fp32 -> compute_dtype`` cast of its local shard
+    (same mesh, placements, global shape and stride), and FSDP2 is told, with the two steps its own
+    ``FSDPModule._apply`` and lazy init run after a parameter changes (``FSDPParam.reset_sharded_param``, then
+    ``init_dtype_attrs``): the unit then gathers those values without a cast (``param_dtype`` clamps to ``None``),
+    which are the values its cast would have given. Trainable parameters stay fp32, so the unit's one-dtype rule
+    (trainable parameters only) holds. The torch internals are checked first
+    (:func:`patches.core.torch_internals.require`).
+
+    The fp32 local shards go to one exact-size host arena (not page-locked: read at save and load only).
+    ``model.state_dict()`` returns them for the frozen keys (a post-hook), so upstream's DCP ``ModelWrapper``
+    and the host EMA's frozen entries see the fp32 values stock holds: at a mesh of one rank the host tensor
+    itself; on a larger mesh this rank's shard as a DTensor (``DTensor.from_local``, which stages it on the mesh's
+    device). ``model.load_state_dict(sd)`` (a pre-hook) copies incoming frozen entries into the arena (nothing to
+    copy when ``sd`` holds the arena's own tensors, as a DCP template from ``state_dict()`` does), writes their cast
+    into the device parameter and hands the module its own parameter for those keys.
+
+    Args:
+        model: the wrapped network (``fully_shard`` applied to its units), trainable subset already marked.
+        compute_dtype: the policy's compute dtype (bf16).
+
+    Attributes:
+        names: the parameters held compact, in model order; ``device_bytes_saved``, ``host_bytes`` as for
+            :class:`FrozenBF16`.
+
+    Raises:
+        UpstreamMismatch: this torch's FSDP2 internals differ from the supported releases'.
+    """
+
+    def __init__(self, model: nn.Module, compute_dtype: torch.dtype = torch.bfloat16):
+        from patches.core.torch_internals import fsdp_param_groups, require
+
+        require()
+        self.model = model
+        self.compute_dtype = compute_dtype
+        names = {id(p): n for n, p in model.named_parameters()}
+        todo = []  # (name, FSDPParam, policy)
+        for g in fsdp_param_groups(model):
+            if compute_dtype == torch.float32 or g.mp_policy.param_dtype != compute_dtype:
+                continue
+            for fp in g.fsdp_params:
+                p = fp.sharded_param
+                if not p.requires_grad and p.dtype == torch.float32 and id(p) in names:
+                    todo.append((names[id(p)], fp, g.mp_policy))
+        self.names = [n for n, _, _ in todo]
+        self.arena = HostArena([(tuple(to_local(fp.sharded_param).shape), torch.float32) for _, fp, _ in todo],
+                               pin=False, name="frozen-fp32")
+        self.host = dict(zip(self.names, self.arena.tensors))
+        saved = 0
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for n, fp, policy in todo:
+                old = fp.sharded_param
+                local = to_local(old)
+                self.host[n].copy_(local)
+                cast = DTensor.from_local(local.to(compute_dtype), old.device_mesh, old.placements, run_check=False,
+                                          shape=old.shape, stride=old.stride())
+                fp._setattr_on_modules(nn.Parameter(cast, requires_grad=False))
+                fp.reset_sharded_param()  # FSDP2 adopts the new parameter; the fp32 shard is released
+                fp.init_dtype_attrs(policy)  # orig dtype now compute_dtype: gathered without a cast
+                saved += local.numel() * (4 - cast.element_size())
+        self.device_bytes_saved = saved
+        self._handles = [model.register_state_dict_post_hook(lambda *a: self._state_dict_hook(*a)),
+                         model.register_load_state_dict_pre_hook(lambda *a: self._load_pre_hook(*a))]
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+    def _saved_value(self, name: str, live: torch.Tensor) -> torch.Tensor:
+        host = self.host[name]
+        mesh = getattr(live, "device_mesh", None)
+        if mesh is None or mesh.size() == 1:
+            return host
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(host, mesh, live.placements, run_check=False, shape=live.shape,
+                                  stride=live.stride())
+
+    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for n in self.names:
+            key = prefix + n
+            if key in state_dict:
+                state_dict[key] = self._saved_value(n, state_dict[key])
+
+    @torch.no_grad()
+    def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+        params = self._params()
+        for n in self.names:
+            key = prefix + n
+            v = state_dict.get(key)
+            if v is None or not torch.is_tensor(v):
+                continue
+            host = self.host[n]
+            local = to_local(v)
+            if local.data_ptr() != host.data_ptr():
+                p = params[n]
+                if tuple(local.shape) == tuple(host.shape):
+                    host.copy_(local)
+                elif tuple(local.shape) == tuple(p.shape):  # a full tensor: this rank's shard of it
+                    host.copy_(shard_of(local, p.device_mesh, p.placements))
+                else:
+                    continue  # the module's own load reports the shape mismatch
+            to_local(params[n]).copy_(host)
+            state_dict[key] = params[n].detach()  # the module copies its own values onto themselves
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Recast every device copy from the host fp32 values (after a loader wrote into the host tensors)."""
+        params = self._params()
+        for n in self.names:
+            to_local(params[n]).copy_(self.host[n])
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held (the fp32 arena)."""
+        return self.arena.nbytes

@@ -21,6 +21,16 @@ trainer's ``model.to("cuda")`` never moves) and its 48-channel ``scale`` tensors
 host memory after ``set_up_tokenizers``; ``get_data_and_condition`` (once per micro-batch) and
 ``encode``/``decode`` (sampling) run inside :meth:`UpstreamVaeOffload.on_device` (the one way in, as for
 :class:`~cosmos_framework_ext.levers.vae_offload.VAEOffload`, which it extends with the ``scale`` tensors).
+
+Lever 5 (``COSMOS_OPTIM_STATE_OFFLOAD``): the optimizer ``_optimizer_cls`` builds gets
+:class:`~cosmos_framework_ext.levers.optim_offload.OptimStateOffload`.
+
+Lever 6 (``COSMOS_FROZEN_BF16``). Upstream marks the trainable subset (``keys_to_select``) when it builds the
+optimizer, after ``build_net`` has wrapped ``net`` with FSDP2 in the fp32 master dtype. So the lever runs right
+after ``init_optimizer_scheduler`` (before the trainer's checkpoint load and the first forward), as
+:class:`~cosmos_framework_ext.levers.frozen_bf16.WrappedFrozenBF16` over ``net``: frozen parameters on the GPU
+as their bf16 cast, their fp32 values on the host, ``net.state_dict()`` (DCP's ``net.*`` and the host EMA's
+frozen ``net_ema.*``) unchanged.
 """
 
 from __future__ import annotations
@@ -265,6 +275,45 @@ def patched_optimizer_cls(original: Callable[..., Any]) -> Callable[..., Any]:
         return optimizer
 
     return _optimizer_cls
+
+
+def patched_init_optimizer_scheduler(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``init_optimizer_scheduler`` after which ``net``'s frozen fp32 parameters are held as their bf16 cast.
+
+    Nothing changes where nothing is stored in another dtype than it computes in (``ed8287f``'s bf16 master, or
+    the ``fsdp_master_dtype=bfloat16`` override): the lever then says so and holds nothing.
+
+    Raises:
+        UserError: the EMA is on without ``COSMOS_EMA_CPU_SUBSET=1`` (upstream's fp32 tower would average the bf16
+            copies of the frozen parameters), or ``vlm_config.pretrained_weights.enabled`` (upstream's
+            ``load_pretrained_model_if_needed`` writes the understanding weights into the parameters directly,
+            past the host fp32 copies).
+    """
+    from cosmos_framework_ext.levers.frozen_bf16 import WrappedFrozenBF16, check_with_ema
+    from patches.core.errors import UserError
+
+    def init_optimizer_scheduler(self, optimizer_config, scheduler_config):
+        ema_on = bool(getattr(getattr(self.config, "ema", None), "enabled", False))
+        check_with_ema(True, ema_on, isinstance(getattr(self, "net_ema_worker", None), HostEmaWorker))
+        pretrained = getattr(getattr(getattr(self, "vlm_config", None), "pretrained_weights", None), "enabled", False)
+        if pretrained:
+            raise UserError("COSMOS_FROZEN_BF16=1 with vlm_config.pretrained_weights.enabled: upstream would load the "
+                            "understanding weights into the bf16 device copies, past their fp32 values; give them "
+                            "in the base checkpoint (checkpoint.load_path) instead, or unset COSMOS_FROZEN_BF16")
+        result = original(self, optimizer_config, scheduler_config)
+        compute = getattr(self, "precision", torch.bfloat16)
+        self._onecard_frozen = WrappedFrozenBF16(self.net, compute)
+        if self._onecard_frozen.names:
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            log.info("onecard: %d frozen fp32 parameters held as %s on the device (%.2f GiB saved), fp32 on the "
+                     "host (%.2f GiB)", len(self._onecard_frozen.names), compute,
+                     self._onecard_frozen.device_bytes_saved / GiB, self._onecard_frozen.host_bytes / GiB)
+        else:
+            log.info("onecard: COSMOS_FROZEN_BF16=1 has nothing to do (no frozen parameter is stored in another dtype "
+                     "than %s computes in)", compute)
+        return result
+
+    return init_optimizer_scheduler
 
 
 def with_vae_on_device(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from patches.core import torch_internals
+from patches.core.torch_internals import fsdp_param_groups
 from patches.core.host_arena import HostArena, pinned_bytes_total
 from patches.core.runtime import proc_status_kib
 
@@ -65,25 +66,9 @@ class PinnedReport:
 
 
 def fsdp_params(model: nn.Module) -> list[Any]:
-    """Every ``FSDPParam`` of ``model``'s FSDP2 units, in module order (torch 2.11 ``_fsdp_param_group`` and 2.13
-    ``_fsdp_param_groups``, private attributes)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out: list[Any] = []
-    seen: set[int] = set()
-    for m in model.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        state = m._get_fsdp_state()
-        if id(state) in seen:
-            continue
-        seen.add(id(state))
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-        for g in groups:
-            out.extend(g.fsdp_params)
-    return out
+    """Every ``FSDPParam`` of ``model``'s FSDP2 units, in module order (private attributes, see
+    :func:`patches.core.torch_internals.fsdp_param_groups`)."""
+    return [fp for g in fsdp_param_groups(model) for fp in g.fsdp_params]
 
 
 def offloaded_fsdp_params(model: nn.Module) -> list[Any]:

@@ -2,8 +2,9 @@
 
 The exact pinned arena (``miles_ext.levers.pinned``), the side-stream host-to-device prefetch
 (``miles_ext.levers.h2d_prefetch``, which rebinds two ``FSDPParamGroup`` methods per unit), the low-RAM init
-(``miles_ext.levers.fast_init``) and the FSDP2 policy (``miles_ext.levers.fsdp_policy``) read and rebind private
-attributes of FSDP2 (``torch.distributed.fsdp._fully_shard``), the most volatile code onecard relies on. Every such
+(``miles_ext.levers.fast_init``), the FSDP2 policy (``miles_ext.levers.fsdp_policy``) and the compact frozen storage
+of an already-wrapped model (``cosmos_framework_ext.levers.frozen_bf16.WrappedFrozenBF16``, upstream's order) read
+and rebind private attributes of FSDP2 (``torch.distributed.fsdp._fully_shard``), the most volatile code onecard relies on. Every such
 attribute is listed in :data:`INTERNALS` with what it must be: a method with one of the expected parameter lists, or an
 attribute the class assigns to ``self`` (read from the class's source) or defines. :func:`require` checks the whole
 table once per process before any lever touches FSDP2 and raises :class:`~patches.core.errors.UpstreamMismatch` naming
@@ -23,7 +24,7 @@ import textwrap
 
 from patches.core.errors import UpstreamMismatch
 
-__all__ = ["SUPPORTED", "Internal", "INTERNALS", "check", "require", "status"]
+__all__ = ["SUPPORTED", "Internal", "INTERNALS", "check", "fsdp_param_groups", "require", "status"]
 
 SUPPORTED = "torch 2.11 and 2.13"
 """The torch releases whose FSDP2 internals this table was checked against."""
@@ -57,17 +58,23 @@ INTERNALS: tuple[Internal, ...] = (
              params=(("self", "async_op"),)),
     Internal("fsdp2.group.wait_for_unshard", f"{_FS}._fsdp_param_group:FSDPParamGroup.wait_for_unshard",
              "H2D prefetch", params=(("self",),)),
-    Internal("fsdp2.group.fields", f"{_FS}._fsdp_param_group:FSDPParamGroup", "H2D prefetch, pinned arena",
-             fields=(("fsdp_params",), ("device",), ("_all_gather_result",))),
+    Internal("fsdp2.group.fields", f"{_FS}._fsdp_param_group:FSDPParamGroup",
+             "H2D prefetch, pinned arena, compact frozen (wrapped)",
+             fields=(("fsdp_params",), ("device",), ("_all_gather_result",), ("mp_policy",))),
     Internal("fsdp2.param.setattr_on_modules", f"{_FS}._fsdp_param:FSDPParam._setattr_on_modules",
              "pinned arena, low-RAM init", params=(("self", "param"),)),
+    Internal("fsdp2.param.reset_sharded_param", f"{_FS}._fsdp_param:FSDPParam.reset_sharded_param",
+             "compact frozen (wrapped)", params=(("self",),)),
+    Internal("fsdp2.param.init_dtype_attrs", f"{_FS}._fsdp_param:FSDPParam.init_dtype_attrs",
+             "compact frozen (wrapped)", params=(("self", "mp_policy"),)),
     Internal("fsdp2.param.to_sharded_dtensor", f"{_FS}._fsdp_param:FSDPParam.to_sharded_dtensor",
              "pinned arena", params=(("self", "tensor"),)),
     Internal("fsdp2.param.fields", f"{_FS}._fsdp_param:FSDPParam", "pinned arena, H2D prefetch, low-RAM init",
              fields=(("_sharded_param_data",), ("_param_fqn",), ("_orig_size",), ("sharded_param",),
-                     ("offload_to_cpu",), ("pin_memory",), ("fsdp_placement",), ("padded_sharded_param_size",))),
+                     ("offload_to_cpu",), ("pin_memory",), ("fsdp_placement",), ("padded_sharded_param_size",),
+                     ("orig_dtype",), ("param_dtype",))),
 )
-"""Every FSDP2 internal the H3 levers touch."""
+"""Every FSDP2 internal the FSDP2 levers touch."""
 
 
 def _owner(target: str) -> tuple[object, str]:
@@ -126,7 +133,7 @@ def _require_cached(table: tuple[Internal, ...]) -> None:
         if why is not None:
             raise UpstreamMismatch(
                 f"torch {torch.__version__}: {why} ({entry.name}, used by {entry.used_by}): onecard's FSDP2 levers "
-                f"support {SUPPORTED}; install one of those, or run without --fsdp-cpu-offload")
+                f"support {SUPPORTED}; install one of those, or turn that lever off")
 
 
 def require(table: tuple[Internal, ...] | None = None) -> None:
@@ -136,6 +143,27 @@ def require(table: tuple[Internal, ...] | None = None) -> None:
         UpstreamMismatch: the first entry that does not hold, with the torch version and :data:`SUPPORTED`.
     """
     _require_cached(INTERNALS if table is None else table)
+
+
+def fsdp_param_groups(model) -> list:
+    """Every ``FSDPParamGroup`` of ``model``'s FSDP2 units, in module order, each once (torch 2.11's
+    ``_fsdp_param_group`` and 2.13's ``_fsdp_param_groups``: private attributes, checked by :func:`require`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: list = []
+    seen: set[int] = set()
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        if id(state) in seen:
+            continue
+        seen.add(id(state))
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        out.extend(groups)
+    return out
 
 
 def status() -> list[tuple[str, str, str]]:

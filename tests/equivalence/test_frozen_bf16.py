@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cosmos_framework_ext.levers.ema import EMA, power_ema_beta, power_ema_gamma
-from cosmos_framework_ext.levers.frozen_bf16 import FrozenBF16
+from cosmos_framework_ext.levers.frozen_bf16 import FrozenBF16, WrappedFrozenBF16
 from cosmos_framework_ext.levers.optim_offload import OptimStateOffload
 from patches.core.checkpoint import gather_full_state, load_full_state
 
@@ -26,17 +26,27 @@ from .test_optim_offload import _equal_trees
 STEPS = 6
 
 
-def _head_model(lever: type[FrozenBF16] | None, seed: int = 0):
-    """The tiny preset in fp32 (the master), optionally compact-frozen, then FSDP2 with upstream HEAD's policy."""
+def _head_model(lever: type | None, seed: int = 0):
+    """The tiny preset in fp32 (the master), optionally compact-frozen, then FSDP2 with upstream HEAD's policy.
+
+    :class:`WrappedFrozenBF16` goes in upstream's order: every parameter trainable while the model is wrapped, the
+    trainable subset marked after (upstream's optimizer build), then the lever."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     model, trainable = R.make_model(seed=seed)
-    frozen = lever(model, torch.bfloat16) if lever is not None else None
+    wrapped = lever is not None and issubclass(lever, WrappedFrozenBF16)
+    frozen = lever(model, torch.bfloat16) if lever is not None and not wrapped else None
+    if wrapped:
+        model.requires_grad_(True)
     kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False),
           "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)}
     for layer in model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
+    if wrapped:
+        for n, p in model.named_parameters():
+            p.requires_grad_(n in trainable)
+        frozen = lever(model, torch.bfloat16)
     return model, trainable, frozen
 
 
@@ -77,12 +87,18 @@ def stock(group):
     return _run(None)
 
 
-def test_forward_identical_and_frozen_storage_is_bf16(stock, group):
-    model, trainable, frozen = _head_model(FrozenBF16)
+@pytest.mark.parametrize("lever", [FrozenBF16, WrappedFrozenBF16], ids=["before-wrap", "after-wrap"])
+def test_forward_identical_and_frozen_storage_is_bf16(stock, group, lever):
+    from patches.core.torch_internals import fsdp_param_groups
+
+    model, trainable, frozen = _head_model(lever)
     ref, _, _ = _head_model(None)
     params = dict(model.named_parameters())  # the sharded (stored) parameters, before any forward
     assert frozen.names and set(frozen.names) == {n for n, p in params.items() if not p.requires_grad}
     assert all(params[n].dtype == torch.bfloat16 for n in frozen.names)
+    stored = {id(fp.sharded_param): fp._sharded_param_data.dtype for g in fsdp_param_groups(model)
+              for fp in g.fsdp_params}
+    assert all(stored[id(params[n])] == torch.bfloat16 for n in frozen.names)  # FSDP2's own storage: no fp32 left
     assert all(params[n].dtype == torch.float32 for n in trainable)
     assert frozen.device_bytes_saved == sum(params[n].numel() * 2 for n in frozen.names)
     sd, sd_ref = model.state_dict(), ref.state_dict()
@@ -97,14 +113,52 @@ def to_full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def test_training_equals_stock_bit_for_bit(stock, group, tmp_path):
-    lever = _run(FrozenBF16)
-    assert torch.equal(stock["first_loss"], lever["first_loss"])
-    assert not _differences(stock, lever, tmp_path)
+@pytest.mark.parametrize("lever", [FrozenBF16, WrappedFrozenBF16], ids=["before-wrap", "after-wrap"])
+def test_training_equals_stock_bit_for_bit(stock, group, tmp_path, lever):
+    run = _run(lever)
+    assert torch.equal(stock["first_loss"], run["first_loss"])
+    assert not _differences(stock, run, tmp_path)
 
 
-def test_all_levers_with_optimizer_streaming_equal_stock(stock, group, tmp_path):
-    assert not _differences(stock, _run(FrozenBF16, optim_lever=True), tmp_path)
+@pytest.mark.parametrize("lever", [FrozenBF16, WrappedFrozenBF16], ids=["before-wrap", "after-wrap"])
+def test_all_levers_with_optimizer_streaming_equal_stock(stock, group, tmp_path, lever):
+    assert not _differences(stock, _run(lever, optim_lever=True), tmp_path)
+
+
+def _dcp_files(model, where) -> dict[str, object]:
+    """The DCP files of ``model.state_dict()``: data files' bytes, and the metadata's entries (the one thing a
+    save writes differently each time is its random ``save_id``)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(model.state_dict(), checkpoint_id=str(where))
+    meta = dcp.FileSystemReader(str(where)).read_metadata()
+    files: dict[str, object] = {f.name: f.read_bytes() for f in sorted(where.iterdir()) if f.name != ".metadata"}
+    files[".metadata"] = (meta.state_dict_metadata, meta.storage_data, meta.planner_data)
+    return files
+
+
+def test_wrapped_dcp_checkpoint_is_stocks_byte_for_byte_and_loads_back(stock, group, tmp_path):
+    """Upstream's checkpoint route: ``torch.distributed.checkpoint`` over ``state_dict()`` (what its DCP
+    ``ModelWrapper`` reads) writes the same files as stock after the same training; a fresh model of another init
+    loads them through a ``state_dict()`` template and trains on exactly as stock does."""
+    import torch.distributed.checkpoint as dcp
+
+    lever = _run(WrappedFrozenBF16, steps=3)
+    ref = _run(None, steps=3)
+    assert _dcp_files(lever["model"], tmp_path / "lever") == _dcp_files(ref["model"], tmp_path / "stock")
+
+    def resumed(kind):
+        model, _, frozen = _head_model(kind, seed=1)
+        template = model.state_dict()
+        dcp.load(template, checkpoint_id=str(tmp_path / "stock"))
+        model.load_state_dict(template)
+        opt = R.make_optimizer(model)
+        R.train(model, opt, 3, STEPS)
+        return {"model": model, "opt": opt, "frozen": frozen}
+
+    a, b = resumed(None), resumed(WrappedFrozenBF16)
+    assert b["frozen"].names
+    assert not _equal_trees(a["model"].state_dict(), b["model"].state_dict(), "resumed")
 
 
 def _resume(lever, tmp_path) -> dict:
@@ -149,6 +203,17 @@ class LosesFp32(FrozenBF16):
 
 def test_planted_fp32_lost_at_save_is_detected(stock, group, tmp_path):
     assert _differences(stock, _run(LosesFp32), tmp_path)
+
+
+class WrappedLosesFp32(WrappedFrozenBF16):
+    """Planted, after wrapping: the fp32 values are lost at save (the bf16 device copy is saved, upcast)."""
+
+    def _saved_value(self, name, live):
+        return to_full(live).float()
+
+
+def test_planted_wrapped_fp32_lost_at_save_is_detected(stock, group, tmp_path):
+    assert _differences(stock, _run(WrappedLosesFp32), tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: FSDP2 on the GPU, fused AdamW, side streams")

@@ -23,11 +23,12 @@ from cosmos_framework_ext.levers.ema import canonical_name
 from cosmos_framework_ext.upstream.patches import EmaPlaceholder, HostEmaWorker
 from patches.cosmos_table import patch_set
 from patches.core.errors import UpstreamMismatch
+from patches.core.runtime import to_local
 
 ROOT = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
 KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
 ON = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True, "COSMOS_ATTN_BACKEND": "torch",
-      "COSMOS_OPTIM_STATE_OFFLOAD": True}
+      "COSMOS_OPTIM_STATE_OFFLOAD": True, "COSMOS_FROZEN_BF16": True}
 
 
 def _om():
@@ -332,3 +333,139 @@ def test_changed_optimizer_cls_signature_is_refused(monkeypatch):
     monkeypatch.setattr(up, "_optimizer_cls", lambda params, optimizer_type, lr: None)
     with pytest.raises(UpstreamMismatch, match="_optimizer_cls has parameters"):
         patch_set().apply({"COSMOS_OPTIM_STATE_OFFLOAD": True})
+
+
+# ----------------------------------------------------------------------------- lever 6 in upstream's order
+class _FrozenStandIn(torch.nn.Module):
+    """What upstream's ``init_optimizer_scheduler`` and DCP ``ModelWrapper`` touch: ``net`` built in the fp32 master
+    dtype and wrapped with FSDP2 (bf16 policy, one gloo rank) before anything is marked trainable, as ``build_net``
+    does at ``5eee9ed``."""
+
+    def __init__(self, seed: int = 0):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        super().__init__()
+        torch.manual_seed(seed)
+        self.config = SimpleNamespace(ema=SimpleNamespace(enabled=False))
+        self.precision = torch.bfloat16
+        net = _TinySft()
+        kw = {"offload_policy": CPUOffloadPolicy(pin_memory=False),
+              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+        for m in net.net.values():
+            fully_shard(m, **kw)
+        self.net = fully_shard(net, **kw)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _upstream_frozen_run(tmp_path, name: str, steps: int = 3) -> dict:
+    """Upstream's ``init_optimizer_scheduler`` (its ``build_optimizer`` marks ``keys_to_select``, then
+    ``build_lr_scheduler``) over :class:`_FrozenStandIn`, ``steps`` steps of 2 micro-batches, then upstream's DCP
+    ``ModelWrapper`` state saved with ``torch.distributed.checkpoint``."""
+    import torch.distributed.checkpoint as dcp
+    from cosmos_framework.checkpoint.dcp import ModelWrapper
+    from cosmos_framework.utils.generator import optimizer as up
+    from cosmos_framework.utils.lazy_config import LazyCall as L
+
+    model = _FrozenStandIn()
+    opt_cfg = L(up.build_optimizer)(optimizer_type="AdamW", lr=5e-4, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.1,
+                                    fused=True, keys_to_select=["moe_gen", "time_embedder"], lr_multipliers={},
+                                    disable_weight_decay_for_1d_params=True)
+    sched_cfg = L(up.build_lr_scheduler)(lr_scheduler_type="LambdaCosine", warm_up_steps=[2], cycle_lengths=[10],
+                                         f_start=[0.0], f_max=[1.0], f_min=[0.0], verbosity_interval=0)
+    opt, sched = _om().OmniMoTModel.init_optimizer_scheduler(model, opt_cfg, sched_cfg)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        for _ in range(2):
+            loss = model(torch.randn(4, 8, generator=g)).float().square().mean() / 2
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    sd = ModelWrapper(model).state_dict()
+    dcp.save(sd, checkpoint_id=str(tmp_path / name))
+    meta = dcp.FileSystemReader(str(tmp_path / name)).read_metadata()
+    files = {f.name: f.read_bytes() for f in (tmp_path / name).iterdir() if f.name != ".metadata"}
+    return {"model": model, "losses": losses, "files": files, "meta": meta.state_dict_metadata,
+            "frozen": getattr(model, "_onecard_frozen", None)}
+
+
+def _checkpoint_differences(stock: dict, lever: dict) -> list[str]:
+    out = [] if all(torch.equal(a, b) for a, b in zip(stock["losses"], lever["losses"])) else ["losses"]
+    out += [] if lever["files"] == stock["files"] else ["DCP data files"]
+    return out + ([] if lever["meta"] == stock["meta"] else ["DCP metadata (dtypes, shapes, chunks)"])
+
+
+def test_frozen_bf16_in_upstreams_order_equals_stock_and_saves_the_same_checkpoint(om, tmp_path):
+    """Lever 6 through upstream's own ``init_optimizer_scheduler`` and DCP ``ModelWrapper``: frozen parameters held
+    bf16 after upstream marked them, the same losses and the same checkpoint files as stock; a fresh model loads
+    them back through upstream's ``ModelWrapper.load_state_dict`` with its device copies recast."""
+    import torch.distributed.checkpoint as dcp
+    from cosmos_framework.checkpoint.dcp import ModelWrapper
+
+    from cosmos_framework_ext.levers.frozen_bf16 import WrappedFrozenBF16
+
+    from tests.equivalence import tiny_recipe as R
+
+    with R.one_rank():
+        stock = _upstream_frozen_run(tmp_path, "stock")
+        ps = patch_set()
+        ps.apply({"COSMOS_FROZEN_BF16": True})
+        try:
+            lever = _upstream_frozen_run(tmp_path, "lever")
+            frozen = lever["frozen"]
+            assert isinstance(frozen, WrappedFrozenBF16) and frozen.names
+            params = dict(lever["model"].net.named_parameters())
+            assert all(params[n].dtype == torch.bfloat16 and not params[n].requires_grad for n in frozen.names)
+            assert all(p.dtype == torch.float32 for p in params.values() if p.requires_grad)
+            assert not _checkpoint_differences(stock, lever)
+
+            fresh = _FrozenStandIn(seed=5)
+            for n, p in fresh.net.named_parameters():  # the recipe's selection, then the lever as the patch runs it
+                p.requires_grad_("moe_gen" in n or "time_embedder" in n)
+            fresh_frozen = WrappedFrozenBF16(fresh.net, torch.bfloat16)
+            template = ModelWrapper(fresh).state_dict()
+            dcp.load(template, checkpoint_id=str(tmp_path / "stock"))
+            ModelWrapper(fresh).load_state_dict(template)
+            got = ModelWrapper(fresh).state_dict()
+            want = ModelWrapper(stock["model"]).state_dict()
+            assert all(torch.equal(to_local(got[k]), to_local(want[k])) for k in want)
+            fresh_params = dict(fresh.net.named_parameters())
+            assert all(torch.equal(to_local(fresh_params[n]), fresh_frozen.host[n].to(torch.bfloat16))
+                       for n in fresh_frozen.names)
+        finally:
+            ps.revert()
+
+
+def test_frozen_bf16_refuses_the_stock_device_ema(om):
+    """Upstream's fp32 ``net_ema`` tower would average the bf16 copies: refused before the optimizer is built."""
+    from patches.core.errors import UserError
+
+    model = SimpleNamespace(config=SimpleNamespace(ema=SimpleNamespace(enabled=True)), net_ema_worker=object())
+    ps = patch_set()
+    ps.apply({"COSMOS_FROZEN_BF16": True})
+    try:
+        with pytest.raises(UserError, match="COSMOS_EMA_CPU_SUBSET=1"):
+            om.OmniMoTModel.init_optimizer_scheduler(model, None, None)
+    finally:
+        ps.revert()
+
+
+def test_planted_frozen_bf16_saving_the_bf16_copy_is_detected(om, tmp_path, monkeypatch):
+    """Planted: the lever saves the bf16 device copy (upcast) instead of the host fp32 values."""
+    from cosmos_framework_ext.levers.frozen_bf16 import WrappedFrozenBF16
+
+    from tests.equivalence import tiny_recipe as R
+
+    monkeypatch.setattr(WrappedFrozenBF16, "_saved_value", lambda self, name, live: to_local(live).float())
+    with R.one_rank():
+        stock = _upstream_frozen_run(tmp_path, "stock")
+        ps = patch_set()
+        ps.apply({"COSMOS_FROZEN_BF16": True})
+        try:
+            assert "DCP data files" in _checkpoint_differences(stock, _upstream_frozen_run(tmp_path, "lever"))
+        finally:
+            ps.revert()
