@@ -27,6 +27,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from .cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
 FAKE = REPO / "tests" / "fake_miles"
 HEAD_TOML = REPO / "toml" / "vision_sft_edge_24gb_head.toml"  # fp32 master, bf16 compute, EMA on
@@ -40,7 +42,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+IN_PROCESS = ("patches.ledger", "miles_ext.recipe.export_lora")
+"""Commands whose refusals need no process of their own: run in this process (:func:`tests.cli.run_main`)."""
+
+
 def _run(args: list[str], cwd: Path = REPO, **extra: str) -> subprocess.CompletedProcess:
+    if args[:2] == [sys.executable, "-m"] and args[2] in IN_PROCESS:
+        return run_main(args[2], args[3:], _env(**extra), cwd)
     return subprocess.run(args, env=_env(**extra), capture_output=True, text=True, cwd=cwd, timeout=120)
 
 

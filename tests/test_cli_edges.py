@@ -31,6 +31,8 @@ from cosmos_framework_ext.recipe import plan as planmod
 from patches.core import flags as flagmod
 from patches.core import ledger as coreledger
 
+from .cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
 TOML = REPO / "toml" / "vision_sft_edge_24gb.toml"
 COSMOS = REPO / "launchers" / "sft_edge_24gb.sh"
@@ -59,6 +61,12 @@ def _tmpdir(tmp_path: Path) -> Path:
 def _run(cmd: list[str], tmp_path: Path, timeout: float = 60, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=_env(tmp_path, **extra), capture_output=True, text=True, timeout=timeout,
                           cwd=tmp_path)
+
+
+def _in_process(main, argv: list[str], tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
+    """``python -m <module> ARGV`` in this process (:func:`tests.cli.run_main`), with :func:`_run`'s environment and
+    working directory."""
+    return run_main(main, argv, _env(tmp_path, **extra), tmp_path)
 
 
 def _one_error(r: subprocess.CompletedProcess | tuple[int, str], *needles: str) -> str:
@@ -168,8 +176,9 @@ def test_gpu_memory_cap_without_a_card_is_bounded(monkeypatch):
 
 
 def _plan(tmp_path: Path, *argv: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m cosmos_framework_ext.recipe.plan --preset tiny ARGV`` (in this process: :func:`_in_process`)."""
     extra = {"ONECARD_DATA_CACHE": str(cache)} if cache else {}
-    return _run([sys.executable, "-m", "cosmos_framework_ext.recipe.plan", "--preset", "tiny", *argv], tmp_path, **extra)
+    return _in_process(planmod.main, ["--preset", "tiny", *argv], tmp_path, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -475,7 +484,9 @@ def test_h3_launcher_from_gpus_in_range_passes_on(tmp_path):
 ], ids=["none", "a-flag", "missing", "missing-parent", "missing-child", "spaces", "empty", "package"])
 def test_patches_run_bad_arguments_are_one_line(argv, needle, tmp_path):
     """Before: a usage line with no ``error:``, or the rank's line and a runpy ``ImportError`` traceback (exit 1)."""
-    r = _run([sys.executable, "-m", "patches.run", *argv], tmp_path)
+    from patches import run
+
+    r = _in_process(run.main, argv, tmp_path)
     _one_error(r, "python -m patches.run", needle)
     assert "onecard[rank" not in r.stderr and _written(tmp_path) == set()
 
@@ -498,5 +509,7 @@ def test_patches_run_module_check_is_what_refuses(tmp_path, monkeypatch, capsys)
 
 
 def test_patches_status_bad_command_is_one_line(tmp_path):
-    _one_error(_run([sys.executable, "-m", "patches", "stauts"], tmp_path), "invalid choice: 'stauts'")
-    _one_error(_run([sys.executable, "-m", "patches", "status", "extra"], tmp_path), "unrecognized arguments: extra")
+    from patches.__main__ import main
+
+    _one_error(_in_process(main, ["stauts"], tmp_path), "invalid choice: 'stauts'")
+    _one_error(_in_process(main, ["status", "extra"], tmp_path), "unrecognized arguments: extra")

@@ -88,10 +88,9 @@ def test_resume_continues_exactly_and_skips_encoding(first_run, tmp_path):
     assert same_lora(checkpoint(tmp / "out", 2))
     again = run(tmp, "--num-rollout", "2")
     assert again.returncode == 0 and "nothing to do" in again.stdout
-    ex = subprocess.run([sys.executable, "-m", "miles_ext.recipe.export_lora", str(checkpoint(tmp_path / "straight", 2)),
-                         str(tmp_path / "adapter")], capture_output=True, text=True, cwd=REPO)
-    assert ex.returncode == 0 and "exported 36 LoRA tensors (rank 64, alpha 128" in ex.stdout, ex.stderr
-    assert "DeviceMesh" not in ex.stderr  # the checkpoint holds plain tensors only
+    # the checkpoint holds plain tensors only (no DTensor, so the export needs no process group; the export
+    # itself is tested in test_h3_export_lora.py)
+    assert b["lora"] and all(type(v) is torch.Tensor for v in b["lora"].values())
     # a damaged newest checkpoint: the run says so, resumes from the one before, and trains rollout 2 again exactly
     checkpoint(tmp / "out", 2).write_bytes(b"truncated")
     redo = run(tmp, "--num-rollout", "2")
