@@ -148,7 +148,7 @@ class FrozenBF16:
         self.arena.release()
 
 
-class WrappedFrozenBF16:
+class WrappedFrozenBF16(FrozenBF16):
     """The same lever on a model FSDP2 has already wrapped: upstream cosmos-framework's order.
 
     Upstream builds ``net``, casts it to the fp32 master dtype and wraps it with FSDP2 in ``build_net``; only later,
@@ -175,8 +175,9 @@ class WrappedFrozenBF16:
         compute_dtype: the policy's compute dtype (bf16).
 
     Attributes:
-        names: the parameters held compact, in model order; ``device_bytes_saved``, ``host_bytes`` as for
-            :class:`FrozenBF16`.
+        names: the parameters held compact, in model order; ``device_bytes_saved``, ``host_bytes`` and
+            :meth:`close` as for :class:`FrozenBF16`, whose state-dict hook it shares (the saved value and the load
+            hook are its own: it holds local shards, not full tensors).
 
     Raises:
         UpstreamMismatch: this torch's FSDP2 internals differ from the supported releases'.
@@ -232,12 +233,6 @@ class WrappedFrozenBF16:
         return DTensor.from_local(host, mesh, live.placements, run_check=False, shape=live.shape,
                                   stride=live.stride())
 
-    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        for n in self.names:
-            key = prefix + n
-            if key in state_dict:
-                state_dict[key] = self._saved_value(n, state_dict[key])
-
     @torch.no_grad()
     def _load_pre_hook(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
         params = self._params()
@@ -265,8 +260,3 @@ class WrappedFrozenBF16:
         params = self._params()
         for n in self.names:
             to_local(params[n]).copy_(self.host[n])
-
-    @property
-    def host_bytes(self) -> int:
-        """Host bytes held (the fp32 arena)."""
-        return self.arena.nbytes
