@@ -11,6 +11,7 @@ commits, MODULE is missing (or is not a module name), or no MODULE is given -- b
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
@@ -41,6 +42,19 @@ def apply_from_env() -> list[str]:
 
 
 USAGE = "usage: python -m patches.run MODULE [ARGS...]"
+
+
+def _show_lever_messages() -> None:
+    """The levers' own lines (logger ``onecard``, INFO: what each patch did, e.g. how many GiB it moved) go to
+    stderr. Upstream logs through loguru, so nothing else gives Python's ``logging`` a handler, and its last-resort
+    handler shows warnings only. A handler already on ``onecard`` is left alone."""
+    logger = logging.getLogger("onecard")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(message)s [rank {os.environ.get('RANK', '0')}]"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def _module_problem(name: str) -> str | None:
@@ -95,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     on = " ".join(f"{k}={v if isinstance(v, str) else int(v)}" for k, v in flags.read_all().items())
     print(f"onecard[rank {os.environ.get('RANK', '0')}]: {on}; patched: {', '.join(patched) or 'nothing'}",
           file=sys.stderr, flush=True)
+    _show_lever_messages()
     sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0

@@ -499,6 +499,17 @@ def test_patches_run_finds_what_exists(tmp_path):
     assert h.returncode == 0 and h.stdout.startswith("usage: python -m patches.run MODULE") and h.stderr == ""
 
 
+def test_patches_run_shows_what_the_levers_log(tmp_path):
+    """A lever's INFO line (logger ``onecard.*``) reaches stderr under ``patches.run``; planted: run plainly, Python's
+    last-resort handler drops it (what upstream runs showed before)."""
+    (tmp_path / "lever_says.py").write_text(
+        "import logging\nlogging.getLogger('onecard.upstream').info('onecard: 3.62 GiB saved')\n")
+    r = _run([sys.executable, "-m", "patches.run", "lever_says"], tmp_path, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    assert r.returncode == 0 and "onecard: 3.62 GiB saved [rank 0]" in r.stderr, r.stderr
+    plain = _run([sys.executable, "-m", "lever_says"], tmp_path, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    assert plain.returncode == 0 and "3.62 GiB saved" not in plain.stderr
+
+
 def test_patches_run_module_check_is_what_refuses(tmp_path, monkeypatch, capsys):
     """Planted: with the module check off, a missing module is runpy's ImportError (a traceback), not one line."""
     from patches import run

@@ -304,7 +304,8 @@ def patched_init_optimizer_scheduler(original: Callable[..., Any]) -> Callable[.
         compute = getattr(self, "precision", torch.bfloat16)
         self._onecard_frozen = WrappedFrozenBF16(self.net, compute)
         if self._onecard_frozen.names:
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # hand the released fp32 shards back, as upstream does after set_up_model
             log.info("onecard: %d frozen fp32 parameters held as %s on the device (%.2f GiB saved), fp32 on the "
                      "host (%.2f GiB)", len(self._onecard_frozen.names), compute,
                      self._onecard_frozen.device_bytes_saved / GiB, self._onecard_frozen.host_bytes / GiB)

@@ -445,11 +445,15 @@ def test_frozen_bf16_refuses_the_stock_device_ema(om):
     from patches.core.errors import UserError
 
     model = SimpleNamespace(config=SimpleNamespace(ema=SimpleNamespace(enabled=True)), net_ema_worker=object())
+    pretrained = SimpleNamespace(config=SimpleNamespace(ema=SimpleNamespace(enabled=False)),
+                                 vlm_config=SimpleNamespace(pretrained_weights=SimpleNamespace(enabled=True)))
     ps = patch_set()
     ps.apply({"COSMOS_FROZEN_BF16": True})
     try:
         with pytest.raises(UserError, match="COSMOS_EMA_CPU_SUBSET=1"):
             om.OmniMoTModel.init_optimizer_scheduler(model, None, None)
+        with pytest.raises(UserError, match="pretrained_weights.enabled"):  # would load past the host fp32 copies
+            om.OmniMoTModel.init_optimizer_scheduler(pretrained, None, None)
     finally:
         ps.revert()
 
