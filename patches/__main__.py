@@ -52,7 +52,7 @@ def status() -> int:
         return code
     from .core import torch_internals
 
-    print(f"torch internals the H3 FSDP2 levers touch ({torch_internals.SUPPORTED} supported)")
+    print(f"torch internals the FSDP2 levers touch ({torch_internals.SUPPORTED} supported)")
     for name, target, state in torch_internals.status():
         print(f"  {name:<32} {target}: {state if state == 'ok' else 'MISMATCH: ' + state}")
     return code

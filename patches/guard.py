@@ -60,9 +60,9 @@ class Patch:
         """Every flag that turns this patch on: :attr:`flag` first, then :attr:`also`."""
         return (self.flag, *self.also)
 
-    def wanted(self, flags: dict[str, Any]) -> bool:
-        """Whether any of :attr:`flags` is on in ``flags`` (env-variable name -> value)."""
-        return any(flags.get(f.name) for f in self.flags)
+    def wanted(self, values: dict[str, Any]) -> bool:
+        """Whether any of :attr:`flags` is on in ``values`` (env-variable name -> value)."""
+        return any(values.get(f.name) for f in self.flags)
 
     def factory(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """The implementation's factory, imported now."""

@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from patches.core import torch_internals
-from patches.core.torch_internals import fsdp_param_groups
 from patches.core.host_arena import HostArena, pinned_bytes_total
 from patches.core.runtime import proc_status_kib
 
@@ -68,7 +67,7 @@ class PinnedReport:
 def fsdp_params(model: nn.Module) -> list[Any]:
     """Every ``FSDPParam`` of ``model``'s FSDP2 units, in module order (private attributes, see
     :func:`patches.core.torch_internals.fsdp_param_groups`)."""
-    return [fp for g in fsdp_param_groups(model) for fp in g.fsdp_params]
+    return [fp for g in torch_internals.fsdp_param_groups(model) for fp in g.fsdp_params]
 
 
 def offloaded_fsdp_params(model: nn.Module) -> list[Any]:

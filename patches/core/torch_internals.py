@@ -1,17 +1,16 @@
-"""The torch internals the H3 FSDP2 levers touch, in one guarded table, checked once.
+"""The torch internals the FSDP2 levers touch, in one guarded table, checked once.
 
 The exact pinned arena (``miles_ext.levers.pinned``), the side-stream host-to-device prefetch
 (``miles_ext.levers.h2d_prefetch``, which rebinds two ``FSDPParamGroup`` methods per unit), the low-RAM init
 (``miles_ext.levers.fast_init``), the FSDP2 policy (``miles_ext.levers.fsdp_policy``) and the compact frozen storage
-of an already-wrapped model (``cosmos_framework_ext.levers.frozen_bf16.WrappedFrozenBF16``, upstream's order) read
-and rebind private attributes of FSDP2 (``torch.distributed.fsdp._fully_shard``), the most volatile code onecard relies on. Every such
-attribute is listed in :data:`INTERNALS` with what it must be: a method with one of the expected parameter lists, or an
-attribute the class assigns to ``self`` (read from the class's source) or defines. :func:`require` checks the whole
-table once per process before any lever touches FSDP2 and raises :class:`~patches.core.errors.UpstreamMismatch` naming
-the first entry that does not match, the torch version found and the versions this table was checked against -- one
-line, before any work, instead of an ``AttributeError`` in the middle of a step. ``python -m patches status`` prints
-the table's state.
-"""
+of an already-wrapped model (``cosmos_framework_ext.levers.frozen_bf16.WrappedFrozenBF16``, upstream's order) read and
+rebind private attributes of FSDP2 (``torch.distributed.fsdp._fully_shard``), the most volatile code onecard relies
+on. Every such attribute is listed in :data:`INTERNALS` with what it must be: a method with one of the expected
+parameter lists, or an attribute the class assigns to ``self`` (read from the class's source) or defines.
+:func:`require` checks the whole table once per process before any lever touches FSDP2 and raises
+:class:`~patches.core.errors.UpstreamMismatch` naming the first entry that does not match, the torch version found and
+the versions this table was checked against -- one line, before any work, instead of an ``AttributeError`` in the
+middle of a step. ``python -m patches status`` prints the table's state."""
 
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ class Internal:
 
 INTERNALS: tuple[Internal, ...] = (
     Internal("fsdp2.module.get_fsdp_state", "torch.distributed.fsdp:FSDPModule._get_fsdp_state",
-             "pinned arena, H2D prefetch, FSDP2 policy", params=(("self",),)),
+             "pinned arena, H2D prefetch, FSDP2 policy, compact frozen (wrapped)", params=(("self",),)),
     Internal("fsdp2.state.fields", f"{_FS}._fsdp_state:FSDPState", "pinned arena, FSDP2 policy",
              fields=(("_fsdp_param_group", "_fsdp_param_groups"), ("_modules",))),
     Internal("fsdp2.group.unshard", f"{_FS}._fsdp_param_group:FSDPParamGroup.unshard", "H2D prefetch",
@@ -69,7 +68,8 @@ INTERNALS: tuple[Internal, ...] = (
              "compact frozen (wrapped)", params=(("self", "mp_policy"),)),
     Internal("fsdp2.param.to_sharded_dtensor", f"{_FS}._fsdp_param:FSDPParam.to_sharded_dtensor",
              "pinned arena", params=(("self", "tensor"),)),
-    Internal("fsdp2.param.fields", f"{_FS}._fsdp_param:FSDPParam", "pinned arena, H2D prefetch, low-RAM init",
+    Internal("fsdp2.param.fields", f"{_FS}._fsdp_param:FSDPParam",
+             "pinned arena, H2D prefetch, low-RAM init, compact frozen (wrapped)",
              fields=(("_sharded_param_data",), ("_param_fqn",), ("_orig_size",), ("sharded_param",),
                      ("offload_to_cpu",), ("pin_memory",), ("fsdp_placement",), ("padded_sharded_param_size",),
                      ("orig_dtype",), ("param_dtype",))),
