@@ -135,12 +135,18 @@ def check() -> int:
 
     Checked first, as ``status`` does: every cosmos and miles flag (``MILES_GPU_BUDGET_GIB`` too), and each root
     that is set (``COSMOS_FRAMEWORK_ROOT``, ``MILES_DIFFUSION_ROOT``) must be a checkout, whether or not a flag is on.
-    With ``MILES_DIFFUSION_ROOT`` and ``MILES_ONECARD_FSDP=1`` the miles table is applied here too.
+    With ``MILES_DIFFUSION_ROOT`` and ``MILES_ONECARD_FSDP=1`` the miles table is applied here too. With
+    ``COSMOS_LATENT_CACHE=1`` the cache folder must be a writable folder (or creatable; nothing is created) and
+    ``ONECARD_LATENT_CACHE_CHECK`` a boolean.
     """
-    from .core.errors import UpstreamMismatch
+    from .core.data.latents import check_folder
+    from .core.errors import UpstreamMismatch, UserError
     from .run import apply_from_env
 
     try:
+        if flags.LATENT_CACHE.value():
+            flags.LATENT_CACHE_CHECK.value()
+            check_folder(flags.latent_cache_dir(), flags.LATENT_CACHE_DIR)
         miles = flags.read_miles()
         for var in ROOTS:
             problem = _root_problem(var, os.environ.get(var, ""))
@@ -154,7 +160,7 @@ def check() -> int:
             if miles_root not in sys.path:
                 sys.path.insert(0, miles_root)
             patched += patch_set().apply(miles)
-    except (flags.FlagError, UpstreamMismatch) as e:
+    except (flags.FlagError, UpstreamMismatch, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     why = ("no lever flag set" if not any(flags.read_all().values()) and not any(miles.values()) else

@@ -13,13 +13,15 @@ the torch backend.
 
 from __future__ import annotations
 
-from .core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, FROZEN_BF16, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
+from .core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, FROZEN_BF16, LATENT_CACHE, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
 from .guard import Patch, PatchSet
 
 SUPPORTED = "cosmos-framework ed8287f (2026-07-21) and 5eee9ed (2026-08-21)"
 _MODEL = "cosmos_framework.model.generator.omni_mot_model:OmniMoTModel"
 _DCP = "cosmos_framework.checkpoint.dcp:ModelWrapper"
 _IMPL = "cosmos_framework_ext.upstream.patches"
+_LATENTS = "cosmos_framework_ext.upstream.latents"
+_SFT = "cosmos_framework.data.generator.local_datasets.sft_dataset:SFTDataset"
 _ATTN = "cosmos_framework.model.attention.frontend"
 _OPTIM = "cosmos_framework.utils.generator.optimizer"  # _optimizer_cls: the one place both commits build AdamW
 _CHOOSE_BACKEND = ("query_shape", "key_shape", "value_shape", "dtype", "device", "requires_grad", "is_causal",
@@ -32,14 +34,26 @@ PATCHES = [
           f"{_IMPL}:patched_wrapper_load_state_dict"),
     Patch("checkpoint.broadcast", EMA_CPU_SUBSET, "cosmos_framework.checkpoint.dcp:_broadcast_tensor_leaf",
           (("value",),), f"{_IMPL}:patched_broadcast_tensor_leaf", also=(FROZEN_BF16,)),
+    # lever 2 parks the VAE on the host; lever 4 needs it parked too (it moves only for a cache miss)
     Patch("vae.set_up_tokenizers", VAE_CPU_OFFLOAD, f"{_MODEL}.set_up_tokenizers", (("self",),),
-          f"{_IMPL}:patched_set_up_tokenizers"),
+          f"{_IMPL}:patched_set_up_tokenizers", also=(LATENT_CACHE,)),
     Patch("vae.get_data_and_condition", VAE_CPU_OFFLOAD, f"{_MODEL}.get_data_and_condition",
           (("self", "data_batch", "iteration", "vision_condition_indexes"),
            ("self", "data_batch", "iteration", "vision_condition_indexes", "retain_raw_state_vision")),
-          f"{_IMPL}:with_vae_on_device"),
-    Patch("vae.encode", VAE_CPU_OFFLOAD, f"{_MODEL}.encode", (("self", "state"),), f"{_IMPL}:with_vae_on_device"),
-    Patch("vae.decode", VAE_CPU_OFFLOAD, f"{_MODEL}.decode", (("self", "latent"),), f"{_IMPL}:with_vae_on_device"),
+          f"{_IMPL}:patched_get_data_and_condition", also=(LATENT_CACHE,)),
+    Patch("vae.encode", VAE_CPU_OFFLOAD, f"{_MODEL}.encode", (("self", "state"),), f"{_IMPL}:with_vae_on_device",
+          also=(LATENT_CACHE,)),
+    Patch("vae.decode", VAE_CPU_OFFLOAD, f"{_MODEL}.decode", (("self", "latent"),), f"{_IMPL}:with_vae_on_device",
+          also=(LATENT_CACHE,)),
+    Patch("latent.sample_key", LATENT_CACHE, f"{_SFT}.process_one_sample", (("self", "metadata"),),
+          f"{_LATENTS}:patched_process_one_sample"),
+    Patch("latent.encode", LATENT_CACHE, f"{_MODEL}._encode_vision_x0_tokens",
+          (("self", "raw_state_vision", "num_vision_items_per_sample", "vision_condition_indexes"),
+           ("self", "raw_state_vision", "num_vision_items_per_sample", "vision_condition_indexes",
+            "num_views_per_vision_item", "frames_per_vision_item")),
+          f"{_LATENTS}:patched_encode_vision_x0_tokens"),
+    Patch("latent.prepass", LATENT_CACHE, "cosmos_framework.trainer:ImaginaireTrainer.train",
+          (("self", "model", "dataloader_train", "dataloader_val"),), f"{_LATENTS}:patched_trainer_train"),
     Patch("optim.state_offload", OPTIM_STATE_OFFLOAD, f"{_OPTIM}:_optimizer_cls",
           (("params", "optimizer_type", "optimizer_kwargs"),), f"{_IMPL}:patched_optimizer_cls"),
     Patch("frozen.init_optimizer", FROZEN_BF16, f"{_MODEL}.init_optimizer_scheduler",

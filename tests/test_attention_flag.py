@@ -23,6 +23,8 @@ from patches.core.flags import ATTN_BACKEND, Choice, ChoiceFlag, FlagError
 from patches.core.errors import UpstreamMismatch
 from patches.guard import MARK, resolve
 
+from tests.cosmos_stub import write_checkout
+
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "cosmos_framework.model.attention.frontend:choose_backend"
 CHOOSE_BACKEND_PARAMS = ("query_shape", "key_shape", "value_shape", "dtype", "device", "requires_grad", "is_causal",
@@ -68,24 +70,10 @@ FRONTEND_SOURCE = textwrap.dedent('''
 
 def _write_checkout(root: Path, frontend: str = FRONTEND_SOURCE) -> None:
     """A stand-in checkout: every table target with its supported signature, and the attention frontend."""
+    write_checkout(root, frontend=frontend)
     cf = root / "cosmos_framework"
-    for d in (cf, cf / "model", cf / "model" / "generator", cf / "checkpoint", cf / "utils", cf / "utils" / "generator"):
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "__init__.py").write_text("")
-    (cf / "model" / "generator" / "omni_mot_model.py").write_text(
-        "class OmniMoTModel:\n    def set_up_model(self): ...\n    def set_up_tokenizers(self): ...\n"
-        "    def get_data_and_condition(self, data_batch, iteration, vision_condition_indexes): ...\n"
-        "    def encode(self, state): ...\n    def decode(self, latent): ...\n"
-        "    def init_optimizer_scheduler(self, optimizer_config, scheduler_config): ...\n")
-    (cf / "checkpoint" / "dcp.py").write_text(
-        "def _broadcast_tensor_leaf(value): ...\n"
-        "class ModelWrapper:\n    def state_dict(self): ...\n    def load_state_dict(self, state_dict): ...\n")
-    (cf / "utils" / "generator" / "optimizer.py").write_text(
-        "def _optimizer_cls(params, optimizer_type, **optimizer_kwargs): ...\n")
-    att = cf / "model" / "attention"
-    att.mkdir()
-    (att / "__init__.py").write_text("from cosmos_framework.model.attention.frontend import attention\n")
-    (att / "frontend.py").write_text(frontend)
+    (cf / "model" / "attention" / "__init__.py").write_text(
+        "from cosmos_framework.model.attention.frontend import attention\n")
     # what the model does: bind attention at import, then call it on a packed causal GQA input
     (cf / "probe.py").write_text(textwrap.dedent('''
         import enum

@@ -11,6 +11,8 @@ from patches.core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, OPTIM_STATE_OFFLOAD
 from patches.core.errors import UpstreamMismatch
 from patches.guard import MARK, Patch, PatchSet
 
+from tests.cosmos_stub import write_checkout
+
 
 @pytest.fixture()
 def fake_upstream(monkeypatch):
@@ -184,10 +186,10 @@ def test_cosmos_table_names_real_targets():
     from patches.cosmos_table import PATCHES, SUPPORTED
 
     assert "ed8287f" in SUPPORTED and "5eee9ed" in SUPPORTED
-    from patches.core.flags import FROZEN_BF16
+    from patches.core.flags import FROZEN_BF16, LATENT_CACHE
 
     assert {p.flag.name for p in PATCHES} == {EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, ATTN_BACKEND.name,
-                                              OPTIM_STATE_OFFLOAD.name, FROZEN_BF16.name}
+                                              OPTIM_STATE_OFFLOAD.name, FROZEN_BF16.name, LATENT_CACHE.name}
     assert all(p.target.startswith("cosmos_framework.") for p in PATCHES)
 
 
@@ -214,39 +216,12 @@ def test_missing_target_error_names_the_supported_commits(fake_upstream):
         _table().apply({VAE_CPU_OFFLOAD.name: True})
 
 
-def _fake_checkout(root, with_methods: bool):
-    gen = root / "cosmos_framework" / "model" / "generator"
-    gen.mkdir(parents=True)
-    ckpt = root / "cosmos_framework" / "checkpoint"
-    ckpt.mkdir(parents=True)
-    util = root / "cosmos_framework" / "utils" / "generator"
-    util.mkdir(parents=True)
-    for d in (root / "cosmos_framework", root / "cosmos_framework" / "model", gen, ckpt, util.parent, util):
-        (d / "__init__.py").write_text("")
-    (util / "optimizer.py").write_text("def _optimizer_cls(params, optimizer_type, **optimizer_kwargs): ...\n")
-    methods = ("    def set_up_model(self): ...\n    def set_up_tokenizers(self): ...\n"
-               "    def get_data_and_condition(self, data_batch, iteration, vision_condition_indexes): ...\n"
-               "    def encode(self, state): ...\n    def decode(self, latent): ...\n"
-               "    def init_optimizer_scheduler(self, optimizer_config, scheduler_config): ...\n") if with_methods else "    pass\n"
-    (gen / "omni_mot_model.py").write_text("class OmniMoTModel:\n" + methods)
-    attn = root / "cosmos_framework" / "model" / "attention"
-    attn.mkdir()
-    (attn / "__init__.py").write_text("")
-    (attn / "frontend.py").write_text(
-        "BACKEND_MAP = {}\n"
-        "def choose_backend(query_shape, key_shape, value_shape, dtype, device, requires_grad, is_causal,\n"
-        "                   causal_type, is_varlen, deterministic, backend, raise_error): ...\n")
-    (ckpt / "dcp.py").write_text("def _broadcast_tensor_leaf(value): ...\n"
-                                 "class ModelWrapper:\n    def state_dict(self): ...\n"
-                                 "    def load_state_dict(self, state_dict): ...\n")
-
-
 @pytest.mark.parametrize("with_methods, code", [(True, 0), (False, 2)])
 def test_status_exit_code_follows_the_targets(tmp_path, with_methods, code):
     import os
     import subprocess
 
-    _fake_checkout(tmp_path, with_methods)
+    write_checkout(tmp_path, with_methods)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COSMOS_")}
     env.update(COSMOS_FRAMEWORK_ROOT=str(tmp_path), COSMOS_EMA_CPU_SUBSET="1")
     r = subprocess.run([sys.executable, "-m", "patches", "status"], env=env, capture_output=True, text=True)
@@ -261,7 +236,7 @@ def test_a_checkout_module_that_fails_to_import_is_named_not_a_traceback(tmp_pat
     import os
     import subprocess
 
-    _fake_checkout(tmp_path, True)
+    write_checkout(tmp_path, True)
     (tmp_path / "cosmos_framework" / "checkpoint" / "dcp.py").write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COSMOS_")}
     env.update(COSMOS_FRAMEWORK_ROOT=str(tmp_path), COSMOS_EMA_CPU_SUBSET="1")

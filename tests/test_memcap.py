@@ -48,3 +48,18 @@ def test_unknown_module_is_one_error_line(tmp_path):
     r = subprocess.run([sys.executable, str(MEMCAP), "-m", "no_such_module_here"], cwd=tmp_path, env=e,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no module named" in r.stderr, r.stderr
+
+
+def test_token_split_counts_upstreams_text_and_vision_tokens():
+    """Per sample: ``len(text_token_ids) + 1`` and ``ceil(H/32) * ceil(W/32) * (1 + (T - 1) // 4) + 2`` per clip
+    (the packing loader's own count), from the packed layout upstream hands ``training_step``."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("memcap_under_test", MEMCAP)
+    memcap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memcap)
+    data = {"text_token_ids": [[torch.zeros(5)], [torch.zeros(9)]],
+            "video": [[torch.zeros(3, 9, 256, 320, dtype=torch.uint8)], [torch.zeros(3, 1, 200, 320)]]}
+    assert memcap.token_split(data) == [(6, 8 * 10 * 3 + 2), (10, 7 * 10 * 1 + 2)]

@@ -20,6 +20,11 @@ init. So, before MODULE runs:
   events, default 2,000,000), and at exit ``DIR/memory-rank<R>.json`` gets :func:`memtimeline.analyse`'s
   report: the peak, what was live at it grouped by the upstream line that allocated it, and a timeline.
 
+* with ``ONECARD_MEMCAP_STEPS=1``, upstream's ``ImaginaireTrainer.training_step`` (one micro-batch; the last of an
+  optimizer step also runs the step) is timed between two CUDA synchronisations, and one line per call gives its
+  seconds and each sample's ``(text tokens, vision tokens)`` by upstream's own count (``len(text_token_ids) + 1``;
+  ``ceil(H/32) * ceil(W/32) * (1 + (T - 1) // 4) + 2`` per clip): what model FLOPs and MFU are computed from.
+
 MODULE then runs as ``python -m`` would run it (``sys.path[0]`` is the working directory).
 """
 
@@ -141,6 +146,49 @@ def _cap_and_report(rank: str) -> None:
         atexit.register(dump_history)  # atexit runs last-registered first: the report then follows
 
 
+def token_split(data: dict) -> list[tuple[int, int]]:
+    """``(text tokens, vision tokens)`` per sample of a packed upstream batch (upstream's packing-loader count)."""
+    def flat(v):
+        return [t for x in v for t in flat(x)] if isinstance(v, (list, tuple)) else [v]
+
+    texts = data.get("text_token_ids") or []
+    videos = data.get("video") or []
+    out = []
+    for i, text in enumerate(texts):
+        u = sum(int(t.numel()) for t in flat(text)) + 1
+        v = 0
+        for clip in flat(videos[i]) if i < len(videos) else []:
+            t_, h, w = (int(x) for x in clip.shape[-3:])
+            v += -(-h // 32) * -(-w // 32) * (1 + (t_ - 1) // 4) + 2
+        out.append((u, v))
+    return out
+
+
+def _time_steps(rank: str) -> None:
+    """Wrap upstream's ``ImaginaireTrainer.training_step`` to print each micro-batch's seconds and token split."""
+    import json
+
+    import torch
+    from cosmos_framework import trainer as upstream_trainer
+
+    original = upstream_trainer.ImaginaireTrainer.training_step
+    count = [0]
+
+    def training_step(self, *args, **kwargs):
+        data = kwargs.get("data", args[4] if len(args) > 4 else {})
+        split = token_split(data)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = original(self, *args, **kwargs)
+        torch.cuda.synchronize()
+        count[0] += 1
+        print(f"onecard memcap[rank {rank}]: micro-batch {count[0]} {time.perf_counter() - t:.4f} s samples "
+              f"{json.dumps(split)}", file=sys.stderr, flush=True)
+        return out
+
+    upstream_trainer.ImaginaireTrainer.training_step = training_step
+
+
 def _wandb_compat() -> None:
     """Upstream calls ``wandb.util.generate_id()`` at train start even with ``wandb_mode=disabled``; wandb
     0.31 (the version that imports beside protobuf 7) no longer has it. Supply an equivalent random id."""
@@ -180,6 +228,8 @@ def main(argv: list[str]) -> None:
     _cap_and_report(os.environ.get("RANK", "0"))
     _wandb_compat()
     sys.path[0] = os.getcwd()
+    if os.environ.get("ONECARD_MEMCAP_STEPS", "").strip() in ("1", "true", "yes"):
+        _time_steps(os.environ.get("RANK", "0"))
     sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -35,17 +35,18 @@ frozen ``net_ema.*``) unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from patches.core.flags import LATENT_CACHE, LATENT_CACHE_DIR, latent_cache_dir
 from patches.core.runtime import GiB, as_dtensor, group_moves_host_tensors, to_local
 
 from cosmos_framework_ext.levers.ema import EMA, canonical_name
 from cosmos_framework_ext.levers.vae_offload import VAEOffload
+from cosmos_framework_ext.upstream.latents import LatentCache, serving, with_vae
 
 log = logging.getLogger("onecard.upstream")
 
@@ -249,6 +250,10 @@ def patched_set_up_tokenizers(original: Callable[..., Any]) -> Callable[..., Any
                 device = torch.device("cuda", torch.cuda.current_device())
             self._onecard_vae = UpstreamVaeOffload(wan, device)
             log.info("onecard: Wan2.2 VAE parked on the host (%.2f GiB pinned)", self._onecard_vae.pinned_bytes / GiB)
+            if LATENT_CACHE.value():
+                self._onecard_latents = LatentCache(latent_cache_dir(), self, device)
+                self._onecard_latents.store.ensure(LATENT_CACHE_DIR)
+                log.info("onecard: latent cache at %s", self._onecard_latents.store.root)
         return result
 
     return set_up_tokenizers
@@ -317,12 +322,25 @@ def patched_init_optimizer_scheduler(original: Callable[..., Any]) -> Callable[.
     return init_optimizer_scheduler
 
 
+def patched_get_data_and_condition(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``get_data_and_condition`` with the VAE on the GPU for the call (lever 2), or, with the latent cache
+    (lever 4), with the batch's sample keys known to ``_encode_vision_x0_tokens`` (the VAE moves only for a miss)."""
+
+    def get_data_and_condition(self, data_batch, *args, **kwargs):
+        if getattr(self, "_onecard_latents", None) is None:
+            with with_vae(self):
+                return original(self, data_batch, *args, **kwargs)
+        with serving(self, data_batch):
+            return original(self, data_batch, *args, **kwargs)
+
+    return get_data_and_condition
+
+
 def with_vae_on_device(original: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``original`` with the parked VAE on the GPU (one move per call; nested calls move nothing)."""
 
     def wrapper(self, *args, **kwargs):
-        off = getattr(self, "_onecard_vae", None)
-        with off.on_device() if off is not None else contextlib.nullcontext():
+        with with_vae(self):
             return original(self, *args, **kwargs)
 
     wrapper.__name__ = getattr(original, "__name__", "wrapper")

@@ -121,6 +121,12 @@ ALL_FLAGS: tuple[Flag | ChoiceFlag, ...] = (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, ATT
 LATENT_CACHE_DIR = "ONECARD_LATENT_CACHE"
 """Environment variable naming the latent cache folder (lever 4)."""
 
+LATENT_CACHE_CHECK = Flag(
+    "ONECARD_LATENT_CACHE_CHECK",
+    "lever 4 in upstream's trainer: also encode every served latent online and stop with one error line if the "
+    "two differ (a check run: the VAE is on the GPU for every micro-batch)",
+)
+
 
 def latent_cache_dir(environ: dict[str, str] | None = None) -> Path:
     """The latent cache folder: ``$ONECARD_LATENT_CACHE``, else ``$ONECARD_DATA_CACHE/latents``, else
