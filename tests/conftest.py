@@ -21,15 +21,16 @@ from cosmos_framework_ext.recipe.presets import get_preset  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """``pytest -n N`` without ``--dist``: hand whole test files to the workers (xdist's ``loadfile``).
+    """``pytest -n N`` without ``--dist``: xdist's ``worksteal`` (an idle worker takes pending tests from the other).
 
-    The proofs build their rank launches and trainer runs in module-scoped fixtures (the H3 topology runs, the
-    FSDP2 launches, the H3 trainer run); xdist's default ``load`` may split a file over both workers, which then
-    both build its fixture: 25-60 s of CPU more on a 2-core machine. An explicit ``--dist`` is left alone.
+    The test times range from milliseconds to tens of seconds; handing whole files to the workers (``loadfile``)
+    left one core idle at the end on a 2-core machine (6 min 2 s against 5 min 28 s with ``worksteal``, same
+    suite, 2026-12-02), although a split file may build a module-scoped fixture on both workers. An explicit
+    ``--dist`` is left alone.
     """
     explicit = any(str(a) == "-d" or str(a).startswith("--dist") for a in config.invocation_params.args)
     if getattr(config.option, "dist", "no") == "load" and not explicit:
-        config.option.dist = "loadfile"
+        config.option.dist = "worksteal"
 
 
 SLOW_FIRST = (
