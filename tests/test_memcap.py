@@ -18,7 +18,8 @@ MEMCAP = Path(__file__).resolve().parents[1] / "benchmarks" / "upstream" / "memc
 
 def _run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     (tmp_path / "hello_memcap.py").write_text("print('module ran')\n")
-    e = {k: v for k, v in os.environ.items() if k not in ("ONECARD_MEMCAP_EVERY_S", "ONECARD_GPU_MEMORY_GIB")}
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("ONECARD_MEMCAP_EVERY_S", "ONECARD_GPU_MEMORY_GIB", "ONECARD_MEMCAP_STEPS")}
     e.update(env, CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, str(MEMCAP), "-m", "hello_memcap"], cwd=tmp_path, env=e,
                           capture_output=True, text=True, timeout=120)
@@ -63,3 +64,10 @@ def test_token_split_counts_upstreams_text_and_vision_tokens():
     data = {"text_token_ids": [[torch.zeros(5)], [torch.zeros(9)]],
             "video": [[torch.zeros(3, 9, 256, 320, dtype=torch.uint8)], [torch.zeros(3, 1, 200, 320)]]}
     assert memcap.token_split(data) == [(6, 8 * 10 * 3 + 2), (10, 7 * 10 * 1 + 2)]
+
+
+def test_bad_steps_switch_is_one_error_line(tmp_path):
+    r = _run(tmp_path, ONECARD_MEMCAP_STEPS="maybe")
+    lines = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert r.returncode == 2 and len(lines) == 1 and "ONECARD_MEMCAP_STEPS" in lines[0], r.stderr
+    assert "module ran" not in r.stdout

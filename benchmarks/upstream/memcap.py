@@ -20,7 +20,7 @@ init. So, before MODULE runs:
   events, default 2,000,000), and at exit ``DIR/memory-rank<R>.json`` gets :func:`memtimeline.analyse`'s
   report: the peak, what was live at it grouped by the upstream line that allocated it, and a timeline.
 
-* with ``ONECARD_MEMCAP_STEPS=1``, upstream's ``ImaginaireTrainer.training_step`` (one micro-batch; the last of an
+* with ``ONECARD_MEMCAP_STEPS=1`` (a boolean; another value is one error line, exit 2), upstream's ``ImaginaireTrainer.training_step`` (one micro-batch; the last of an
   optimizer step also runs the step) is timed between two CUDA synchronisations, and one line per call gives its
   seconds and each sample's ``(text tokens, vision tokens)`` by upstream's own count (``len(text_token_ids) + 1``;
   ``ceil(H/32) * ceil(W/32) * (1 + (T - 1) // 4) + 2`` per clip): what model FLOPs and MFU are computed from.
@@ -55,6 +55,18 @@ def _every_s(rank: str) -> float | None:
               "(e.g. 15), or unset", file=sys.stderr)
         sys.exit(2)
     return every
+
+
+def _steps_on(rank: str) -> bool:
+    """``ONECARD_MEMCAP_STEPS`` as a boolean (1/0/true/false/yes/no; unset: off); another value exits 2, one line."""
+    raw = os.environ.get("ONECARD_MEMCAP_STEPS", "").strip().lower()
+    if raw in ("1", "true", "yes"):
+        return True
+    if raw in ("", "0", "false", "no"):
+        return False
+    print(f"onecard memcap[rank {rank}]: error: ONECARD_MEMCAP_STEPS={os.environ['ONECARD_MEMCAP_STEPS']!r} is not a "
+          "boolean: set it to one of 1/0/true/false/yes/no, or unset it", file=sys.stderr)
+    sys.exit(2)
 
 
 def _cap_and_report(rank: str) -> None:
@@ -225,10 +237,11 @@ def main(argv: list[str]) -> None:
         print(f"onecard memcap: error: no module named {module!r} from {os.getcwd()}: run from the folder that "
               "holds it (torchrun's working directory) or fix the name", file=sys.stderr)
         sys.exit(2)
+    _steps_on(os.environ.get("RANK", "0"))  # a bad value stops here, before the cap and the module
     _cap_and_report(os.environ.get("RANK", "0"))
     _wandb_compat()
     sys.path[0] = os.getcwd()
-    if os.environ.get("ONECARD_MEMCAP_STEPS", "").strip() in ("1", "true", "yes"):
+    if _steps_on(os.environ.get("RANK", "0")):
         _time_steps(os.environ.get("RANK", "0"))
     sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)

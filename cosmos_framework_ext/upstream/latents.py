@@ -11,7 +11,7 @@ back, ``torch.equal`` (dtype float32, shape, values) to the online encode:
   loader's worker processes): the SHA-256 of its identity (``__url__``, ``frame_start``, ``frame_end``,
   ``num_multiplier``, ``image_size``, the clip's shape) and of the uint8 pixels the encode will see (the source's
   bytes as upstream's pipeline decodes them). The model side adds the VAE fingerprint
-  (:meth:`LatentCache.fingerprint`: every weight's bytes, the 48-channel ``scale`` tensors, the VAE's dtype and
+  (:meth:`UpstreamLatentCache.fingerprint`: every weight's bytes, the 48-channel ``scale`` tensors, the VAE's dtype and
   autocast setting, the tokenizer config, the source of upstream's model and tokenizer modules, the GPU's name,
   torch's version) and the item's shape and dtype after upstream's normalisation. Any change gives another name: a
   miss, never a stale hit. A batch whose samples carry no key (a loader whose workers were not patched) is keyed in
@@ -51,8 +51,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from patches.core.data.latents import (CorruptEntry, LatentCacheError, LatentStore, make_key, module_fingerprint,
-                                       tensor_bytes)
+from patches.core.data.latents import (CorruptEntry, LatentCacheError, LatentStore, file_sha256, make_key,
+                                       module_fingerprint, tensor_bytes)
 from patches.core.flags import LATENT_CACHE_CHECK
 
 log = logging.getLogger("onecard.upstream")
@@ -136,16 +136,17 @@ def batch_keys(data_batch: dict[str, Any]) -> list[str] | None:
 
 # ------------------------------------------------------------------------------------------- the cache
 def _source_digest(*objects: Any) -> str:
+    """SHA-256 over the source files that define ``objects`` (a class without one counts by its name)."""
     h = hashlib.sha256()
     for obj in objects:
         try:
-            h.update(Path(inspect.getfile(obj)).read_bytes())
+            h.update(file_sha256(inspect.getfile(obj)).encode())
         except (TypeError, OSError):
-            h.update(type(obj).__qualname__.encode())
+            h.update(getattr(obj, "__qualname__", type(obj).__qualname__).encode())
     return h.hexdigest()
 
 
-class LatentCache:
+class UpstreamLatentCache:
     """Upstream latents on disk, keyed by sample key + VAE fingerprint + item shape.
 
     Args:
@@ -232,7 +233,7 @@ def patched_encode_vision_x0_tokens(original: Callable[..., Any]) -> Callable[..
 
     def _encode_vision_x0_tokens(self, raw_state_vision, num_vision_items_per_sample, vision_condition_indexes,
                                  *more, **kw):
-        cache: LatentCache | None = getattr(self, "_onecard_latents", None)
+        cache: UpstreamLatentCache | None = getattr(self, "_onecard_latents", None)
         keys = getattr(self, "_onecard_batch_keys", None)
         plain = (cache is not None and keys is not None and num_vision_items_per_sample is None
                  and vision_condition_indexes is None and all(m is None for m in (*more, *kw.values()))
@@ -361,7 +362,7 @@ def run_prepass(model: Any, loader: Any, out: Any = None,
     windows the dataset returned nothing for), or ``None`` where ``model`` has no cache or the loader no SFT dataset.
     """
     out = out or sys.stderr
-    cache: LatentCache | None = getattr(model, "_onecard_latents", None)
+    cache: UpstreamLatentCache | None = getattr(model, "_onecard_latents", None)
     dataset = find_sft_dataset(loader)
     if cache is None or dataset is None:
         if cache is not None:

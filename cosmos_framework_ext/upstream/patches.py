@@ -46,7 +46,7 @@ from patches.core.runtime import GiB, as_dtensor, group_moves_host_tensors, to_l
 
 from cosmos_framework_ext.levers.ema import EMA, canonical_name
 from cosmos_framework_ext.levers.vae_offload import VAEOffload
-from cosmos_framework_ext.upstream.latents import LatentCache, serving, with_vae
+from cosmos_framework_ext.upstream.latents import UpstreamLatentCache, serving, with_vae
 
 log = logging.getLogger("onecard.upstream")
 
@@ -251,7 +251,7 @@ def patched_set_up_tokenizers(original: Callable[..., Any]) -> Callable[..., Any
             self._onecard_vae = UpstreamVaeOffload(wan, device)
             log.info("onecard: Wan2.2 VAE parked on the host (%.2f GiB pinned)", self._onecard_vae.pinned_bytes / GiB)
             if LATENT_CACHE.value():
-                self._onecard_latents = LatentCache(latent_cache_dir(), self, device)
+                self._onecard_latents = UpstreamLatentCache(latent_cache_dir(), self, device)
                 self._onecard_latents.store.ensure(LATENT_CACHE_DIR)
                 log.info("onecard: latent cache at %s", self._onecard_latents.store.root)
         return result

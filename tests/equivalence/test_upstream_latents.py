@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from cosmos_framework_ext.upstream import latents as L
-from cosmos_framework_ext.upstream.latents import LatentCache, patched_encode_vision_x0_tokens, serving
+from cosmos_framework_ext.upstream.latents import UpstreamLatentCache, patched_encode_vision_x0_tokens, serving
 
 
 class Vae(torch.nn.Module):
@@ -65,7 +65,7 @@ class Raising(Model):
 
 
 def patched(model: Model, root) -> Model:
-    model._onecard_latents = LatentCache(root, model, torch.device("cpu"))
+    model._onecard_latents = UpstreamLatentCache(root, model, torch.device("cpu"))
     model.encode_items = patched_encode_vision_x0_tokens(type(model)._encode_vision_x0_tokens).__get__(model)
     return model
 
@@ -151,7 +151,7 @@ def test_trainer_side_keys_equal_the_workers_and_odd_batches_are_not_keyed():
 
 def test_every_key_part_misses(tmp_path):
     m = Model()
-    c = LatentCache(tmp_path, m, torch.device("cpu"))
+    c = UpstreamLatentCache(tmp_path, m, torch.device("cpu"))
     item = torch.zeros(1, 3, 5, 16, 16)
     base = c.key("s", item).digest
     assert c.key("t", item).digest != base and c.key("s", item[..., :8]).digest != base
@@ -161,7 +161,7 @@ def test_every_key_part_misses(tmp_path):
                    lambda w: setattr(w, "dtype", torch.float32)):
         m2 = Model()
         change(m2.tokenizer_vision_gen.model)
-        assert LatentCache(tmp_path, m2, torch.device("cpu")).key("s", item).digest != base
+        assert UpstreamLatentCache(tmp_path, m2, torch.device("cpu")).key("s", item).digest != base
     fields = {"__url__": "/a.mp4", "frame_start": 0, "frame_end": 4, "num_multiplier": 1, "image_size": [16.0] * 4}
     k = L.sample_key(fields, clip(0))
     for name, value in (("__url__", "/b.mp4"), ("frame_start", 1), ("frame_end", 5), ("num_multiplier", 2),
@@ -238,7 +238,7 @@ def test_planted_bf16_storage_of_an_fp32_latent_is_caught(tmp_path, monkeypatch)
     def always_bf16(self, sample, item, latent):
         self.store.store(self.key(sample, item), {"latent": latent.detach().to(torch.bfloat16)})
 
-    monkeypatch.setattr(LatentCache, "save", always_bf16)
+    monkeypatch.setattr(UpstreamLatentCache, "save", always_bf16)
     m = patched(Model(bf16=False), tmp_path)
     b = batch([clip(0)], [0])
     first = encode_batch(m, b)
@@ -252,7 +252,7 @@ def test_planted_fingerprint_without_scale_is_caught(monkeypatch, tmp_path):
     m, m2 = Model(), Model()
     m2.tokenizer_vision_gen.model.scale = (torch.ones(4), torch.ones(4))
     item = torch.zeros(1, 3, 5, 16, 16)
-    assert LatentCache(tmp_path, m, "cpu").key("s", item) == LatentCache(tmp_path, m2, "cpu").key("s", item)
+    assert UpstreamLatentCache(tmp_path, m, "cpu").key("s", item) == UpstreamLatentCache(tmp_path, m2, "cpu").key("s", item)
 
 
 def test_check_mode_compares_every_hit_and_stops_on_a_difference(tmp_path, monkeypatch):
@@ -264,7 +264,7 @@ def test_check_mode_compares_every_hit_and_stops_on_a_difference(tmp_path, monke
     m = patched(Model(), tmp_path)
     encode_batch(m, b)
     assert m._onecard_latents.stats["checked"] == 2 and m.calls == 2
-    real = LatentCache.load
-    monkeypatch.setattr(LatentCache, "load", lambda self, s, item: real(self, s, item) + 2 ** -8)
+    real = UpstreamLatentCache.load
+    monkeypatch.setattr(UpstreamLatentCache, "load", lambda self, s, item: real(self, s, item) + 2 ** -8)
     with pytest.raises(LatentCacheError, match="differs from upstream's online encode"):
         encode_batch(patched(Model(), tmp_path), b)

@@ -180,7 +180,7 @@ def test_a_batch_without_worker_keys_is_keyed_the_same_in_the_trainer(dataset, c
 
 def test_every_key_part_misses_when_changed(tmp_path, monkeypatch, dataset, clips):
     """The window, the size, one pixel of the clip, the item's shape, the VAE's weights, its scale, its dtype."""
-    from cosmos_framework_ext.upstream.latents import LatentCache, sample_key
+    from cosmos_framework_ext.upstream.latents import UpstreamLatentCache, sample_key
 
     s0, s1 = _samples(dataset, clips)[:2]
     fields = {k: s0[k] for k in ("__url__", "frame_start", "frame_end", "num_multiplier", "image_size")}
@@ -195,19 +195,19 @@ def test_every_key_part_misses_when_changed(tmp_path, monkeypatch, dataset, clip
 
     item = torch.zeros(1, 3, 9, 256, 320)
     m = _model()
-    key = LatentCache(tmp_path / "c", m, torch.device("cpu")).key(base, item).digest
-    assert LatentCache(tmp_path / "c", m, torch.device("cpu")).key(base, item[..., :160]).digest != key
+    key = UpstreamLatentCache(tmp_path / "c", m, torch.device("cpu")).key(base, item).digest
+    assert UpstreamLatentCache(tmp_path / "c", m, torch.device("cpu")).key(base, item[..., :160]).digest != key
     vae = m.tokenizer_vision_gen.model
     with torch.no_grad():
         next(vae.model.parameters()).view(-1)[0] += 1
-    assert LatentCache(tmp_path / "c", m, torch.device("cpu")).key(base, item).digest != key
+    assert UpstreamLatentCache(tmp_path / "c", m, torch.device("cpu")).key(base, item).digest != key
     m2 = _model()
     m2.tokenizer_vision_gen.model.scale = (m2.tokenizer_vision_gen.model.scale[0] + 1,
                                            m2.tokenizer_vision_gen.model.scale[1])
-    assert LatentCache(tmp_path / "c", m2, torch.device("cpu")).key(base, item).digest != key
+    assert UpstreamLatentCache(tmp_path / "c", m2, torch.device("cpu")).key(base, item).digest != key
     m3 = _model()
     m3.tokenizer_vision_gen.model.dtype = torch.bfloat16
-    assert LatentCache(tmp_path / "c", m3, torch.device("cpu")).key(base, item).digest != key
+    assert UpstreamLatentCache(tmp_path / "c", m3, torch.device("cpu")).key(base, item).digest != key
 
 
 def test_a_corrupt_entry_is_encoded_again(tmp_path, monkeypatch, dataset, clips):
@@ -276,13 +276,13 @@ def test_planted_key_without_the_pixels_is_a_stale_hit(tmp_path, monkeypatch, da
 
 def test_planted_bf16_storage_is_caught(tmp_path, monkeypatch, dataset, clips):
     """Planted: every latent stored in bf16 (exact only for a bf16 VAE): the served fp32-VAE latents differ."""
-    from cosmos_framework_ext.upstream.latents import LatentCache
+    from cosmos_framework_ext.upstream.latents import UpstreamLatentCache
 
     def always_bf16(self, sample, item, latent):
         self.store.store(self.key(sample, item), {"latent": latent.detach().to("cpu").to(torch.bfloat16)})
         self.stats["stored"] += 1
 
-    monkeypatch.setattr(LatentCache, "save", always_bf16)
+    monkeypatch.setattr(UpstreamLatentCache, "save", always_bf16)
     r = _cached_run(tmp_path, monkeypatch, dataset, clips)
     assert not all(_same(a, b) for a, b in zip(r.online, r.served))
 
