@@ -139,12 +139,13 @@ def check() -> int:
     ``COSMOS_LATENT_CACHE=1`` the cache folder must be a writable folder (or creatable; nothing is created) and
     ``ONECARD_LATENT_CACHE_CHECK`` a boolean.
     """
-    from .core.data.latents import check_folder
     from .core.errors import UpstreamMismatch, UserError
     from .run import apply_from_env
 
     try:
         if flags.LATENT_CACHE.value():
+            from .core.data.latents import check_folder  # imports torch: only when the cache is on
+
             flags.LATENT_CACHE_CHECK.value()
             check_folder(flags.latent_cache_dir(), flags.LATENT_CACHE_DIR)
         miles = flags.read_miles()

@@ -149,7 +149,7 @@ def test_ledger_unknown_preset_is_one_line_naming_the_flag(capsys):
 @pytest.mark.parametrize("value", ["1e300", "1025"])
 def test_miles_gpu_budget_too_large_is_refused(value, tmp_path):
     env = {"MILES_ONECARD_FSDP": "1", "MILES_RESIDENT_BLOCKS": "auto", "MILES_GPU_BUDGET_GIB": value}
-    _one_error(_run([sys.executable, "-m", "patches", "check"], tmp_path, **env), "MILES_GPU_BUDGET_GIB", "1024")
+    _one_error(_in_process("patches.__main__", ["check"], tmp_path, **env), "MILES_GPU_BUDGET_GIB", "1024")
     assert flagmod.miles_gpu_budget_gib({"MILES_GPU_BUDGET_GIB": "1024"}) == 1024.0  # planted: the bound itself
     assert _written(tmp_path) == set()
 
@@ -515,6 +515,7 @@ def test_patches_run_module_check_is_what_refuses(tmp_path, monkeypatch, capsys)
     from patches import run
 
     monkeypatch.setattr(run, "_module_problem", lambda name: None)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # run.main sets sys.argv before runpy raises
     with pytest.raises(ImportError):
         run.main(["no_such_module_xyz"])
 

@@ -56,13 +56,14 @@ fixed fixture of those runs; ``docs/levers/residency.md`` has the figures).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
-
-from torch import nn
+from typing import TYPE_CHECKING, Sequence
 
 from patches.core.errors import UserError
 from patches.core.flags import parse_resident_blocks, setting
-from patches.core.runtime import GiB
+from patches.core.units import GiB
+
+if TYPE_CHECKING:  # annotations only: ``launcher-args`` runs before any trainer and imports no torch on a CPU build
+    from torch import nn
 
 __all__ = ["DEFAULT_PLAN_TOKENS", "Residency", "ResidencyPlan", "block_bytes", "launcher_args", "model_widths",
            "plan_resident_blocks", "resolve_residency", "select_resident", "wire_prefetch"]
@@ -292,9 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import os
     import sys
 
-    import torch
-
     from patches.core.errors import cli
+    from patches.core.torchinfo import cuda_available
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] != "launcher-args":
@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     def run() -> int:
-        for flag in launcher_args(os.environ.get("RESIDENT_BLOCKS"), args[1:], torch.cuda.is_available()):
+        for flag in launcher_args(os.environ.get("RESIDENT_BLOCKS"), args[1:], cuda_available()):
             print(flag)
         return 0
 

@@ -13,9 +13,7 @@ from typing import Sequence
 import torch
 
 from .ports import free_port, port_in_use  # noqa: F401 - re-exported (their home is torch-free)
-
-GiB = float(2**30)
-"""Bytes in one GiB (binary gigabyte, 2**30); every memory figure onecard prints is in GiB unless it says GB."""
+from .units import GiB  # noqa: F401 - re-exported (its home is torch-free)
 
 
 def host_rss() -> int:

@@ -29,6 +29,7 @@ from cosmos_framework_ext.levers.ema import (
     power_ema_gamma,
 )
 from tests.equivalence import tiny_recipe as R
+from tests.equivalence.h3_ranks import launch
 
 GAMMA = power_ema_gamma(0.1)
 STEPS = 12
@@ -268,22 +269,21 @@ def test_upstream_worker_drives_the_cpu_subset_ema(ab):
 
 
 # ------------------------------------------------------------------------------------ two ranks
-def _two_rank_worker(rank: int, world: int, port: int, out: str) -> None:
-    with R.gloo_rank(rank, world, port):
-        model, trainable = R.make_fsdp_model()
-        opt = R.make_optimizer(model)
-        lever = EMA(model, placement="cpu_subset", trainable=trainable)  # tracks this rank's local shards only
-        local = sum(t.numel() for t in lever.shadow)
-        # every rank sees the same micro-batches, so the mean gradient equals the one-rank gradient
-        R.train(model, opt, 0, STEPS, lambda i: lever.step(power_ema_beta(i, GAMMA)))
-        sd = lever.full_state_dict()["shadow"]
-        if rank == 0:
-            torch.save({"ema": sd, "local_numel": local}, out)
+def _two_rank_worker(rank: int, world: int, out: str) -> None:
+    model, trainable = R.make_fsdp_model()
+    opt = R.make_optimizer(model)
+    lever = EMA(model, placement="cpu_subset", trainable=trainable)  # tracks this rank's local shards only
+    local = sum(t.numel() for t in lever.shadow)
+    # every rank sees the same micro-batches, so the mean gradient equals the one-rank gradient
+    R.train(model, opt, 0, STEPS, lambda i: lever.step(power_ema_beta(i, GAMMA)))
+    sd = lever.full_state_dict()["shadow"]
+    if rank == 0:
+        torch.save({"ema": sd, "local_numel": local}, out)
 
 
 def test_two_ranks_sharded_equal_one_rank(tmp_path, ab):
     out = str(tmp_path / "rank0.pt")
-    torch.multiprocessing.spawn(_two_rank_worker, args=(2, R.free_port(), out), nprocs=2, join=True)
+    launch(_two_rank_worker, 2, out)  # gloo ranks forked from a preloaded forkserver
     got = torch.load(out)
     model, trainable, stock, lever = ab
     one = lever.state_dict()["shadow"]

@@ -21,6 +21,7 @@ import torch
 from cosmos_framework_ext.recipe.attention import build_packed_inputs
 from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
 from tests.equivalence import tiny_recipe as R
+from tests.equivalence.h3_ranks import launch
 
 RTOL, ATOL = 1e-5, 1e-7
 
@@ -180,17 +181,16 @@ def test_planted_wrong_normalisation_breaks_the_proof(bug):
 
 
 # ------------------------------------------------- 2 ranks x grad_accum 1  ==  1 rank x grad_accum 2
-def _dp_worker(rank: int, world: int, port: int, out: str) -> None:
-    with R.gloo_rank(rank, world, port):
-        model, _ = R.make_fsdp_model()
-        # rank r trains micro-batch r, grad_accum 1; FSDP2 averages the gradients over ranks
-        R.loss_of(model, R.micro_batch(0, rank), grad_accum=1).backward()
-        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
-        if rank == 0:
-            torch.save(grads, out)
+def _dp_worker(rank: int, world: int, out: str) -> None:
+    model, _ = R.make_fsdp_model()
+    # rank r trains micro-batch r, grad_accum 1; FSDP2 averages the gradients over ranks
+    R.loss_of(model, R.micro_batch(0, rank), grad_accum=1).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    if rank == 0:
+        torch.save(grads, out)
 
 
 def test_two_ranks_equal_one_rank_with_grad_accum(tmp_path):
     out = str(tmp_path / "g.pt")
-    torch.multiprocessing.spawn(_dp_worker, args=(2, R.free_port(), out), nprocs=2, join=True)
+    launch(_dp_worker, 2, out)  # gloo ranks forked from a preloaded forkserver
     assert grads_close(torch.load(out), accumulated_grads(2))

@@ -16,7 +16,6 @@ from cosmos_framework_ext.recipe import attention
 from cosmos_framework_ext.recipe.attention import build_packed_inputs
 from cosmos_framework_ext.recipe.presets import build_transformer, get_preset, select_trainable
 from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss
-from patches.core.runtime import free_port  # noqa: F401 - the proofs spawn ranks on it (R.free_port)
 
 KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
 GRAD_ACCUM = 2
@@ -88,8 +87,7 @@ def train(model, opt, start: int, stop: int, after_step: Callable[[int], None] |
         opt.zero_grad(set_to_none=True)
 
 
-# ----------------------------------------------------------------- several ranks on the CPU (gloo, spawn)
-from .h3_ranks import gloo_rank  # noqa: E402,F401 - one helper for every rank launch
+# ----------------------------------------------------------------- several ranks on the CPU (h3_ranks.launch)
 
 
 def make_fsdp_model() -> tuple[torch.nn.Module, list[str]]:
