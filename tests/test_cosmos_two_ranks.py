@@ -64,12 +64,12 @@ def _fixed_ports_taken():
         yield
 
 
-def test_two_rank_checkpoints_are_full_and_a_resume_is_exact(tmp_path, sample_dataset):
+def test_two_rank_checkpoints_are_full_and_a_resume_is_exact(tmp_path, small_dataset):
     from cosmos_framework_ext.recipe.presets import build_transformer, get_preset
 
     toml = _toml(tmp_path)
     with _fixed_ports_taken():
-        straight = _launch(tmp_path, tmp_path / "straight", toml, sample_dataset)
+        straight = _launch(tmp_path, tmp_path / "straight", toml, small_dataset)
     assert straight.returncode == 0, straight.stderr[-4000:]
     assert "2 rank(s)" in straight.stdout
     m = CheckpointManager(tmp_path / "straight" / Path(*JOB))
@@ -84,7 +84,7 @@ def test_two_rank_checkpoints_are_full_and_a_resume_is_exact(tmp_path, sample_da
 
     resumed = CheckpointManager(tmp_path / "resumed" / Path(*JOB))
     resumed.save(2, torch.load(m.path(2), weights_only=False))  # the straight run's step-2 checkpoint alone
-    again = _launch(tmp_path, tmp_path / "resumed", toml, sample_dataset, launcher=False)
+    again = _launch(tmp_path, tmp_path / "resumed", toml, small_dataset, launcher=False)
     assert again.returncode == 0, again.stderr[-4000:]
     assert f"resumed from {resumed.path(2)} at iteration 2" in again.stdout
 

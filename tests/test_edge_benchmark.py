@@ -40,8 +40,8 @@ def test_edge_pathways_split_the_tower(bench):
     assert p["und_train"] == 0 and p["gen_train"] == p["gen"] > 0 and p["und"] > 0
 
 
-def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, sample_dataset):
-    monkeypatch.setenv("DATASET_PATH", str(sample_dataset))
+def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, small_dataset):
+    monkeypatch.setenv("DATASET_PATH", str(small_dataset))
     for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     only = "stock (uncapped card),+ latent cache"

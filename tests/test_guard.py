@@ -11,6 +11,7 @@ from patches.core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, OPTIM_STATE_OFFLOAD
 from patches.core.errors import UpstreamMismatch
 from patches.guard import MARK, Patch, PatchSet
 
+from tests.cli import run_main
 from tests.cosmos_stub import write_checkout
 
 
@@ -219,12 +220,11 @@ def test_missing_target_error_names_the_supported_commits(fake_upstream):
 @pytest.mark.parametrize("with_methods, code", [(True, 0), (False, 2)])
 def test_status_exit_code_follows_the_targets(tmp_path, with_methods, code):
     import os
-    import subprocess
 
     write_checkout(tmp_path, with_methods)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COSMOS_")}
     env.update(COSMOS_FRAMEWORK_ROOT=str(tmp_path), COSMOS_EMA_CPU_SUBSET="1")
-    r = subprocess.run([sys.executable, "-m", "patches", "status"], env=env, capture_output=True, text=True)
+    r = run_main("patches.__main__", ["status"], env, tmp_path, isolate=("cosmos_framework",))
     assert r.returncode == code, r.stdout + r.stderr
     assert ("MISMATCH" in r.stdout) == (code != 0)
     if code:
@@ -234,12 +234,11 @@ def test_status_exit_code_follows_the_targets(tmp_path, with_methods, code):
 @pytest.mark.parametrize("body", ["def broken(:\n", "raise RuntimeError('needs a GPU at import')\n"])
 def test_a_checkout_module_that_fails_to_import_is_named_not_a_traceback(tmp_path, body):
     import os
-    import subprocess
 
     write_checkout(tmp_path, True)
     (tmp_path / "cosmos_framework" / "checkpoint" / "dcp.py").write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith("COSMOS_")}
     env.update(COSMOS_FRAMEWORK_ROOT=str(tmp_path), COSMOS_EMA_CPU_SUBSET="1")
-    r = subprocess.run([sys.executable, "-m", "patches", "status"], env=env, capture_output=True, text=True)
+    r = run_main("patches.__main__", ["status"], env, tmp_path, isolate=("cosmos_framework",))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout + r.stderr
     assert "importing cosmos_framework.checkpoint.dcp failed" in r.stdout and "ed8287f" in r.stdout

@@ -134,15 +134,13 @@ def test_export_error_is_a_user_error():
     assert issubclass(export_lora.ExportError, UserError)
 
 
-def test_readme_snippet_loads_a_trained_adapter(tmp_path, monkeypatch, capfd):
+def test_readme_snippet_loads_a_trained_adapter(tmp_path, monkeypatch, capfd, h3_dataset):
     """A tiny launcher run, the README's export command, then :data:`README_SNIPPET` exactly as written: it
     prints and warns nothing, both loaders hold the checkpoint's LoRA tensors, and on the same base they give
     the same forward, which the adapter changes."""
-    from patches.core.data.sample_dataset import FULL_SIZE, prepare_sample_dataset
+    from tests.datasets import first_rows
 
-    data = prepare_sample_dataset(tmp_path / "data", FULL_SIZE)
-    rows = data / "train" / "video_dataset_file.jsonl"  # the DATASET_PATH layout
-    rows.write_text("".join(rows.read_text().splitlines(keepends=True)[:2]))  # two clips: a quick run
+    data = first_rows(h3_dataset, tmp_path / "data", 2)  # the launcher's sample dataset, two clips: a quick run
     env = dict(os.environ, OUTPUT_ROOT=str(tmp_path / "outputs"), DATASET_PATH=str(data), PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("MILES_DIFFUSION_ROOT", None)

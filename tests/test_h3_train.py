@@ -17,6 +17,7 @@ import pytest
 from miles_ext.recipe.train import H3SFTConfig, parse_args
 from patches.core.checkpoint import CheckpointManager
 from patches.core.config import field_docs
+from tests.datasets import first_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,9 +31,22 @@ def latest_marker(out_root: Path) -> str:
     return (out_root / "h3_t2va_sft" / "checkpoints" / "latest_checkpoint.txt").read_text()
 
 
+DATA: dict[str, str] = {}
+"""``DATASET_PATH`` for every launcher run of this module (set once by :func:`_h3_rows`)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _h3_rows(h3_dataset, tmp_path_factory):
+    """The launcher's own sample dataset, its first 16 rows (one rollout of 16): prepared once for the session, not
+    once per ``ONECARD_DATA_CACHE``."""
+    DATA["DATASET_PATH"] = str(first_rows(h3_dataset, tmp_path_factory.mktemp("h3rows") / "data", 16))
+    yield
+    DATA.clear()
+
+
 def run(tmp_path, *extra, env=None):
     e = dict(os.environ, OUTPUT_ROOT=str(tmp_path / "out"), ONECARD_DATA_CACHE=str(tmp_path / "cache"),
-             PYTHON=sys.executable)
+             PYTHON=sys.executable, **DATA)
     e.update(env or {})
     e.pop("MILES_DIFFUSION_ROOT", None)
     return subprocess.run(["bash", str(REPO / "launchers" / "sft_h3_t2va_1gpu.sh"), "--rollout-batch-size", "16",

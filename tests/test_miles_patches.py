@@ -29,6 +29,8 @@ import torch
 from patches.core.flags import FlagError, read_miles
 from patches.core.errors import UpstreamMismatch
 
+from .cli import run_main
+
 REPO = Path(__file__).resolve().parents[1]
 FAKE = REPO / "tests" / "fake_miles"
 CHANGED = REPO / "tests" / "fake_miles_changed"
@@ -208,17 +210,22 @@ def test_launcher_refuses_a_folder_that_is_not_a_checkout_and_bad_flags(tmp_path
 
 
 def test_status_reports_the_miles_table():
-    """``python -m patches status`` shows the miles flags and, with MILES_DIFFUSION_ROOT, each target's state."""
+    """``python -m patches status`` shows the miles flags and, with MILES_DIFFUSION_ROOT, each target's state (in this
+    process: :func:`tests.cli.run_main` with the stand-in checkout's ``miles`` package isolated)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MILES_", "COSMOS_"))}
     env["PYTHONPATH"] = str(REPO)
-    cmd = [sys.executable, "-m", "patches", "status"]
-    r = subprocess.run(cmd, env={**env, "MILES_DIFFUSION_ROOT": str(FAKE)}, capture_output=True, text=True, cwd=REPO)
+
+    def status(**extra: str) -> subprocess.CompletedProcess:
+        return run_main("patches.__main__", ["status"], {**env, **extra}, REPO, isolate=("miles",))
+
+    before = {n: m for n, m in sys.modules.items() if n.partition(".")[0] == "miles"}
+    r = status(MILES_DIFFUSION_ROOT=str(FAKE))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "MILES_ONECARD_FSDP=0" in r.stdout and "fsdp.apply_fsdp2" in r.stdout and "MISMATCH" not in r.stdout
-    changed = REPO / "tests" / "fake_miles_changed"
-    r = subprocess.run(cmd, env={**env, "MILES_DIFFUSION_ROOT": str(changed), "MILES_ONECARD_FSDP": "1"},
-                       capture_output=True, text=True, cwd=REPO)
+    r = status(MILES_DIFFUSION_ROOT=str(REPO / "tests" / "fake_miles_changed"), MILES_ONECARD_FSDP="1")
     assert r.returncode == 2 and "MISMATCH" in r.stdout and r.stderr.count("error:") == 1
-    r = subprocess.run(cmd, env={**env, "MILES_DIFFUSION_ROOT": str(REPO / "tests")}, capture_output=True, text=True,
-                       cwd=REPO)
+    r = status(MILES_DIFFUSION_ROOT=str(REPO / "tests"))
     assert r.returncode == 2 and "not a miles-diffusion checkout" in r.stderr
+    assert {n: m for n, m in sys.modules.items() if n.partition(".")[0] == "miles"} == before  # none left behind
+
+

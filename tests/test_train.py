@@ -32,9 +32,9 @@ def small_toml(tmp_path: Path, **edits: str) -> Path:
 
 
 @pytest.fixture()
-def env(tmp_path, monkeypatch, sample_dataset):
+def env(tmp_path, monkeypatch, small_dataset):
     monkeypatch.setenv("OUTPUT_ROOT", str(tmp_path / "out"))
-    monkeypatch.setenv("DATASET_PATH", str(sample_dataset))
+    monkeypatch.setenv("DATASET_PATH", str(small_dataset))
     monkeypatch.setenv("COSMOS_EMA_CPU_SUBSET", "1")
     monkeypatch.setenv("COSMOS_VAE_CPU_OFFLOAD", "1")
     for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
