@@ -44,15 +44,13 @@ def _env(**extra: str) -> dict[str, str]:
 
 IN_PROCESS = {"patches.ledger": "patches.ledger", "miles_ext.recipe.export_lora": "miles_ext.recipe.export_lora",
               "patches": "patches.__main__"}
-"""Commands whose refusals need no process of their own: run in this process (:func:`tests.cli.run_main`).
-``patches status``/``check`` only when no upstream root names a non-empty folder (a checkout's modules would be
-imported into this process)."""
+"""Commands whose refusals need no process of their own: run in this process (:func:`tests.cli.run_main`), with the
+upstream packages a root may put on ``sys.path`` isolated."""
 
 
 def _run(args: list[str], cwd: Path = REPO, **extra: str) -> subprocess.CompletedProcess:
-    checkout = any(k.endswith("_ROOT") and v and Path(v).is_dir() and any(Path(v).iterdir()) for k, v in extra.items())
-    if args[:2] == [sys.executable, "-m"] and args[2] in IN_PROCESS and not checkout:
-        return run_main(IN_PROCESS[args[2]], args[3:], _env(**extra), cwd)
+    if args[:2] == [sys.executable, "-m"] and args[2] in IN_PROCESS:
+        return run_main(IN_PROCESS[args[2]], args[3:], _env(**extra), cwd, isolate=("cosmos_framework", "miles"))
     return subprocess.run(args, env=_env(**extra), capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
