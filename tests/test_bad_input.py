@@ -42,8 +42,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-IN_PROCESS = {"patches.ledger": "patches.ledger", "miles_ext.recipe.export_lora": "miles_ext.recipe.export_lora",
-              "patches": "patches.__main__"}
+IN_PROCESS = {m: m for m in ("patches.ledger", "miles_ext.recipe.export_lora", "miles_ext.recipe.train",
+                              "cosmos_framework_ext.recipe.train", "cosmos_framework_ext.recipe.prepass")}
+IN_PROCESS["patches"] = "patches.__main__"
 """Commands whose refusals need no process of their own: run in this process (:func:`tests.cli.run_main`), with the
 upstream packages a root may put on ``sys.path`` isolated."""
 

@@ -2,7 +2,9 @@
 
 A checkpoint holds the full tensors (every ``net.*`` and ``net_ema.*`` entry has the model's shape, not one
 rank's shard), and resuming a 2-rank run from its step-2 checkpoint gives step 3 bit for bit as the straight
-2-rank run does (weights, EMA, optimizer state, loss). Both runs leave ``MASTER_PORT`` unset while torchrun's
+2-rank run does (weights, EMA, optimizer state, loss). The straight run goes through the launcher; the resumed
+one runs the trainer's ``main`` in two ranks forked from a preloaded forkserver with torchrun's environment
+(:func:`tests.equivalence.h3_ranks.launch` with ``group=False``), which saves torchrun's and two ranks' start-up. Both runs leave ``MASTER_PORT`` unset while torchrun's
 usual fixed ports are taken: a one-node run picks a free port itself. (NCCL on two GPUs is not covered: the CI
 machine has no GPU.)
 """
@@ -20,8 +22,9 @@ from pathlib import Path
 
 import torch
 
+from cosmos_framework_ext.recipe import train  # preloaded in the ranks' forkserver
 from patches.core.checkpoint import CheckpointManager
-from patches.core.ports import free_port
+from tests.equivalence.h3_ranks import launch
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = ("cosmos3", "sft", "vision_sft_edge_24gb")
@@ -37,19 +40,31 @@ def _toml(tmp_path: Path) -> Path:
     return path
 
 
-def _launch(tmp_path: Path, out: Path, toml: Path, dataset: Path, launcher: bool = True) -> subprocess.CompletedProcess:
-    """The launcher at ``NPROC_PER_NODE=2`` (or, to save its validate step, the torchrun line it runs)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE",
-                                                               "LOCAL_RANK", "COSMOS_FRAMEWORK_ROOT", "NNODES")}
-    env.update(NPROC_PER_NODE="2", OUTPUT_ROOT=str(out), TOML_FILE=str(toml), DATASET_PATH=str(dataset),
-               COSMOS_EMA_CPU_SUBSET="1", COSMOS_VAE_CPU_OFFLOAD="1", PYTHON=sys.executable,
-               ONECARD_DATA_CACHE=str(tmp_path / "cache"))
-    cmd = (["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")] if launcher else
-           [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}", "-m", "cosmos_framework_ext.recipe.train", f"--sft-toml={toml}",
-            "--videos-checked"])
-    return subprocess.run([*cmd, "--max-iter", "3"], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=tmp_path)
+_DROP = ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "COSMOS_FRAMEWORK_ROOT", "NNODES")
+
+
+def _env(tmp_path: Path, out: Path, toml: Path, dataset: Path) -> dict[str, str]:
+    return dict(NPROC_PER_NODE="2", OUTPUT_ROOT=str(out), TOML_FILE=str(toml), DATASET_PATH=str(dataset),
+                COSMOS_EMA_CPU_SUBSET="1", COSMOS_VAE_CPU_OFFLOAD="1", PYTHON=sys.executable,
+                ONECARD_DATA_CACHE=str(tmp_path / "cache"))
+
+
+def _launch(tmp_path: Path, out: Path, toml: Path, dataset: Path) -> subprocess.CompletedProcess:
+    """The launcher at ``NPROC_PER_NODE=2``."""
+    env = {k: v for k, v in os.environ.items() if k not in _DROP}
+    env.update(_env(tmp_path, out, toml, dataset))
+    return subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh"), "--max-iter", "3"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+def _train_rank(rank: int, world: int, env: dict[str, str], argv: list[str], log: str) -> None:
+    """One rank of the resumed run: the trainer's ``main`` as torchrun would start it; rank 0's stdout to ``log``."""
+    for key in _DROP[4:]:
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    with open(log if rank == 0 else os.devnull, "w") as out, contextlib.redirect_stdout(out):
+        code = train.main(argv)
+    assert code == 0, f"rank {rank} exited with {code}"
 
 
 @contextlib.contextmanager
@@ -64,7 +79,7 @@ def _fixed_ports_taken():
         yield
 
 
-def test_two_rank_checkpoints_are_full_and_a_resume_is_exact(tmp_path, small_dataset):
+def test_two_rank_checkpoints_are_full_and_a_resume_is_exact(tmp_path, small_dataset, monkeypatch):
     from cosmos_framework_ext.recipe.presets import build_transformer, get_preset
 
     toml = _toml(tmp_path)
@@ -84,9 +99,11 @@ def test_two_rank_checkpoints_are_full_and_a_resume_is_exact(tmp_path, small_dat
 
     resumed = CheckpointManager(tmp_path / "resumed" / Path(*JOB))
     resumed.save(2, torch.load(m.path(2), weights_only=False))  # the straight run's step-2 checkpoint alone
-    again = _launch(tmp_path, tmp_path / "resumed", toml, small_dataset, launcher=False)
-    assert again.returncode == 0, again.stderr[-4000:]
-    assert f"resumed from {resumed.path(2)} at iteration 2" in again.stdout
+    log = tmp_path / "resumed.log"
+    monkeypatch.chdir(tmp_path)
+    launch(_train_rank, 2, _env(tmp_path, tmp_path / "resumed", toml, small_dataset),
+           [f"--sft-toml={toml}", "--videos-checked", "--max-iter", "3"], str(log), group=False)
+    assert f"resumed from {resumed.path(2)} at iteration 2" in log.read_text()
 
     other = torch.load(resumed.path(3), weights_only=False)
     assert other["model"].keys() == three["model"].keys()

@@ -17,6 +17,7 @@ import pytest
 from miles_ext.recipe.train import H3SFTConfig, parse_args
 from patches.core.checkpoint import CheckpointManager
 from patches.core.config import field_docs
+from tests.cli import run_main
 from tests.datasets import first_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,6 +53,17 @@ def run(tmp_path, *extra, env=None):
     return subprocess.run(["bash", str(REPO / "launchers" / "sft_h3_t2va_1gpu.sh"), "--rollout-batch-size", "16",
                            "--num-steps-per-rollout", "2", *extra], env=e, capture_output=True, text=True,
                           timeout=600)
+
+
+def run_trainer(tmp_path, *extra):
+    """What :func:`run` runs on this CPU machine (the launcher's trainer line), in this process: for the reruns of a
+    folder whose launcher wiring a subprocess run already covered."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("MILES_DIFFUSION_ROOT", None)
+    return run_main("miles_ext.recipe.train", ["--from-gpus", "8", "--fsdp-master-dtype", "bf16", "--output-dir",
+                                               str(tmp_path / "out" / "h3_t2va_sft"), "--data-dir", DATA["DATASET_PATH"],
+                                               "--rollout-batch-size", "16", "--num-steps-per-rollout", "2", *extra],
+                    dict(env, ONECARD_DATA_CACHE=str(tmp_path / "cache")), tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +112,14 @@ def test_resume_continues_exactly_and_skips_encoding(first_run, tmp_path):
         return a["lora"].keys() == b["lora"].keys() and all(torch.equal(a["lora"][k], b["lora"][k]) for k in a["lora"])
 
     assert same_lora(checkpoint(tmp / "out", 2))
-    again = run(tmp, "--num-rollout", "2")
+    again = run_trainer(tmp, "--num-rollout", "2")
     assert again.returncode == 0 and "nothing to do" in again.stdout
     # the checkpoint holds plain tensors only (no DTensor, so the export needs no process group; the export
     # itself is tested in test_h3_export_lora.py)
     assert b["lora"] and all(type(v) is torch.Tensor for v in b["lora"].values())
     # a damaged newest checkpoint: the run says so, resumes from the one before, and trains rollout 2 again exactly
     checkpoint(tmp / "out", 2).write_bytes(b"truncated")
-    redo = run(tmp, "--num-rollout", "2")
+    redo = run_trainer(tmp, "--num-rollout", "2")
     assert redo.returncode == 0 and "damaged" in redo.stderr, redo.stderr[-3000:]
     assert f"resumed from {checkpoint(tmp / 'out', 1)} after rollout 1" in redo.stdout
     assert same_lora(checkpoint(tmp / "out", 2))
@@ -123,7 +135,7 @@ def test_bad_input_is_one_error_line(tmp_path, args, needle):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        r = run(tmp_path, *[str(busy.getsockname()[1]) if a == "BUSY" else a for a in args])
+        r = run_trainer(tmp_path, *[str(busy.getsockname()[1]) if a == "BUSY" else a for a in args])
     lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-2000:]
     assert not (tmp_path / "out" / "h3_t2va_sft" / "checkpoints").exists()

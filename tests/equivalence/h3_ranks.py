@@ -32,8 +32,13 @@ def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
         torch.distributed.destroy_process_group()
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple) -> None:
+def _entry(rank: int, fn: Callable[..., Any], world: int, port: int, args: tuple, group: bool) -> None:
     torch.set_num_threads(1)
+    if not group:  # torchrun's environment only: ``fn`` (a trainer's main) makes and ends the group itself
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        fn(rank, world, *args)
+        return
     with gloo_rank(rank, world, port):
         fn(rank, world, *args)
 
@@ -45,10 +50,11 @@ def cpu_mesh():
     return init_device_mesh("cpu", (torch.distributed.get_world_size(),))
 
 
-def launch(fn: Callable[..., Any], world: int, *args: Any) -> None:
+def launch(fn: Callable[..., Any], world: int, *args: Any, group: bool = True) -> None:
     """``fn(rank, world, *args)`` in ``world`` processes joined by gloo (forkserver; see module docstring).
     ``fn`` must be a module-level function (its module is preloaded in the forkserver); results go through
-    files."""
+    files. ``group=False``: each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``/``MASTER_PORT``) instead of a group, for a trainer that makes its own."""
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(PRELOAD + [__name__, fn.__module__])
@@ -58,7 +64,7 @@ def launch(fn: Callable[..., Any], world: int, *args: Any) -> None:
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     try:
-        mp.start_processes(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True,
+        mp.start_processes(_entry, args=(fn, world, free_port(), args, group), nprocs=world, join=True,
                            start_method="forkserver")
     finally:
         if saved is None:
