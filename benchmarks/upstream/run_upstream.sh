@@ -28,6 +28,8 @@
 #   OUTPUT_ROOT                        default outputs/upstream (made absolute: the launcher cd's away)
 #   LOG                                default $OUTPUT_ROOT/<recipe>-<date>.log
 #   PYTHON                             default python3 (the machine's torch environment)
+#   FFMPEG                             a real ffmpeg executable to decode with instead of the Python stand-in
+#                                      (e.g. the static build inside the imageio-ffmpeg wheel); ffprobe stays the stand-in
 #   TAIL_OVERRIDES, NPROC_PER_NODE, MASTER_PORT, ...   as the launcher reads them
 set -euo pipefail
 
@@ -72,6 +74,23 @@ if [[ "$dryrun" == 0 && ! -f "$WAN_VAE_PATH" ]]; then
   "$PYTHON" "$here/prepare_assets.py" "$assets" --vae-only
 fi
 
+if [[ -n "${FFMPEG:-}" ]]; then
+  [[ -x "$FFMPEG" ]] || { echo "error: FFMPEG=$FFMPEG is not an executable: point it at an ffmpeg binary, or unset it" >&2; exit 2; }
+  mkdir -p "$assets/ffmpeg-bin"
+  # upstream's helper.py passes "-vsync 0", an option ffmpeg 8 removed ("Unrecognized option 'vsync'": every
+  # sample then decodes no frame and is skipped); "-fps_mode passthrough" is the same setting under its new name
+  rm -f "$assets/ffmpeg-bin/ffmpeg"  # never write through an old link onto the binary itself
+  cat > "$assets/ffmpeg-bin/ffmpeg" <<SH
+#!/usr/bin/env bash
+a=(); for x in "\$@"; do
+  if [[ "\$x" == -vsync ]]; then a+=(-fps_mode); elif [[ "\${a[-1]:-}" == -fps_mode && "\$x" == 0 ]]; then a+=(passthrough); else a+=("\$x"); fi
+done
+exec "$(cd "$(dirname "$FFMPEG")" && pwd)/$(basename "$FFMPEG")" "\${a[@]}"
+SH
+  chmod +x "$assets/ffmpeg-bin/ffmpeg"
+  export PATH="$assets/ffmpeg-bin:$PATH"
+fi
+
 # 3. attention backend, output folder, log, per-rank memory cap + peak report
 export COSMOS_ATTN_BACKEND="${COSMOS_ATTN_BACKEND-torch}"
 export OUTPUT_ROOT="${OUTPUT_ROOT:-outputs/upstream}"
@@ -97,6 +116,7 @@ export PYTHON_EXEC="$exec_dir/python-memcap"
        "COSMOS_LATENT_CACHE=${COSMOS_LATENT_CACHE:-} ONECARD_LATENT_CACHE=${ONECARD_LATENT_CACHE:-default}" \
        "ONECARD_LATENT_CACHE_CHECK=${ONECARD_LATENT_CACHE_CHECK:-}" \
        "COSMOS_ATTN_BACKEND=$COSMOS_ATTN_BACKEND ONECARD_GPU_MEMORY_GIB=${ONECARD_GPU_MEMORY_GIB:-unset}"
+  echo "== ffmpeg: $(command -v ffmpeg) ($(ffmpeg -version 2>/dev/null | head -1 || echo 'the Python stand-in'))"
   echo "== args: ${ONECARD_PROCESSOR_OVERRIDES[*]} $*"
   "$PYTHON" - <<'PY' 2>&1 || true
 import importlib.metadata as md, torch
