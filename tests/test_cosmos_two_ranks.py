@@ -4,9 +4,9 @@ A checkpoint holds the full tensors (every ``net.*`` and ``net_ema.*`` entry has
 rank's shard), and resuming a 2-rank run from its step-2 checkpoint gives step 3 bit for bit as the straight
 2-rank run does (weights, EMA, optimizer state, loss). The straight run goes through the launcher; the resumed
 one runs the trainer's ``main`` in two ranks forked from a preloaded forkserver with torchrun's environment
-(:func:`tests.equivalence.h3_ranks.launch` with ``group=False``), which saves torchrun's and two ranks' start-up. Both runs leave ``MASTER_PORT`` unset while torchrun's
-usual fixed ports are taken: a one-node run picks a free port itself. (NCCL on two GPUs is not covered: the CI
-machine has no GPU.)
+(:func:`tests.equivalence.h3_ranks.launch` with ``group=False``), which saves torchrun's and two ranks' start-up.
+The launcher run leaves ``MASTER_PORT`` unset while torchrun's usual fixed ports are taken: a one-node run picks a
+free port itself. (NCCL on two GPUs is not covered: the CI machine has no GPU.)
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _launch(tmp_path: Path, out: Path, toml: Path, dataset: Path) -> subprocess.
 
 def _train_rank(rank: int, world: int, env: dict[str, str], argv: list[str], log: str) -> None:
     """One rank of the resumed run: the trainer's ``main`` as torchrun would start it; rank 0's stdout to ``log``."""
-    for key in _DROP[4:]:
+    for key in ("COSMOS_FRAMEWORK_ROOT", "NNODES"):  # the rendezvous variables are launch()'s
         os.environ.pop(key, None)
     os.environ.update(env)
     with open(log if rank == 0 else os.devnull, "w") as out, contextlib.redirect_stdout(out):
