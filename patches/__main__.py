@@ -137,7 +137,7 @@ def check() -> int:
     that is set (``COSMOS_FRAMEWORK_ROOT``, ``MILES_DIFFUSION_ROOT``) must be a checkout, whether or not a flag is on.
     With ``MILES_DIFFUSION_ROOT`` and ``MILES_ONECARD_FSDP=1`` the miles table is applied here too. With
     ``COSMOS_LATENT_CACHE=1`` the cache folder must be a writable folder (or creatable; nothing is created) and
-    ``ONECARD_LATENT_CACHE_CHECK`` a boolean.
+    ``ONECARD_LATENT_CACHE_CHECK`` and ``ONECARD_LATENT_CACHE_DECODE`` booleans.
     """
     from .core.errors import UpstreamMismatch, UserError
     from .run import apply_from_env
@@ -147,6 +147,7 @@ def check() -> int:
             from .core.data.latents import check_folder  # imports torch: only when the cache is on
 
             flags.LATENT_CACHE_CHECK.value()
+            flags.LATENT_CACHE_DECODE.value()
             check_folder(flags.latent_cache_dir(), flags.LATENT_CACHE_DIR)
         miles = flags.read_miles()
         for var in ROOTS:

@@ -32,9 +32,14 @@ def write_checkout(root: Path, with_methods: bool = True, frontend: str = FRONTE
                                 if with_methods else "    pass\n"),
         "utils/generator/optimizer.py": "def _optimizer_cls(params, optimizer_type, **optimizer_kwargs): ...\n",
         "model/attention/frontend.py": frontend,
-        "data/generator/local_datasets/sft_dataset.py": "class SFTDataset:\n"
+        "data/generator/local_datasets/sft_dataset.py": "def ffmpeg_decode_video(video_path, scale_hw=None, "
+                                                        "num_threads=1): ...\ndef get_video_metadata(video_path): ...\n"
+                                                        "class SFTDataset:\n"
                                                         + ("    def process_one_sample(self, metadata): ...\n"
                                                            if with_methods else "    pass\n"),
+        "callbacks/every_n_draw_sample.py": "class EveryNDrawSample:\n"
+                                            + ("    def every_n_impl(self, trainer, model, data_batch, output_batch, "
+                                               "loss, iteration): ...\n" if with_methods else "    pass\n"),
         "trainer/__init__.py": "class ImaginaireTrainer:\n"
                                + ("    def train(self, model, dataloader_train, dataloader_val): ...\n"
                                   if with_methods else "    pass\n"),

@@ -37,12 +37,18 @@ re-encoded, with a warning.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import contextvars
 import hashlib
 import inspect
 import json
 import logging
+import os
+import pickle
 import random
+import shutil
+import subprocess
 import sys
 import time
 from collections import deque
@@ -53,7 +59,7 @@ import torch
 
 from patches.core.data.latents import (CorruptEntry, LatentCacheError, LatentStore, file_sha256, make_key,
                                        module_fingerprint, tensor_bytes)
-from patches.core.flags import LATENT_CACHE_CHECK
+from patches.core.flags import LATENT_CACHE_CHECK, LATENT_CACHE_DECODE
 
 log = logging.getLogger("onecard.upstream")
 
@@ -96,16 +102,317 @@ def sample_key(fields: dict[str, Any], video: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def patched_process_one_sample(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``SFTDataset.process_one_sample`` that adds :data:`SAMPLE_KEY` to every sample it returns."""
+# ------------------------------------------------------------------------------------------- decode-free hits
+class _Probe:
+    """What one ``process_one_sample`` call's decode saw: the source's SHA-256 and the scale (set by the decoder)."""
 
+    def __init__(self, speculate: bool, store: LatentStore | None = None):
+        self.speculate = speculate
+        """Yield zero frames instead of decoding (the pixels are not needed: the clip's latent is cached)."""
+        self.store = store
+        """Where ffprobe's answers are kept (decode-free runs only)."""
+        self.source: str | None = None
+        self.scale_hw: tuple[int, int] | None = None
+
+
+_PROBE: contextvars.ContextVar[_Probe | None] = contextvars.ContextVar("onecard_decode_probe", default=None)
+_DECODER: dict[str, str] = {}
+
+
+def _tool(name: str) -> dict[str, str]:
+    exe = shutil.which(name) or ""
+    try:
+        out = subprocess.run([exe or name, "-version"], capture_output=True, text=True, timeout=60,
+                             stdin=subprocess.DEVNULL)
+        text = (out.stdout or out.stderr).strip()
+        version = text.splitlines()[0] if text else f"rc {out.returncode}"
+    except (OSError, subprocess.SubprocessError) as e:
+        version = type(e).__name__
+    return {name: file_sha256(exe) if exe else "none", f"{name} -version": version}
+
+
+def decoder_fingerprint() -> dict[str, str]:
+    """What besides the source and the window decides upstream's decoded pixels (computed once per process):
+    the source of upstream's ``helper`` and ``sft_dataset`` modules, and the ``ffmpeg`` and ``ffprobe`` on ``PATH``
+    (each file's SHA-256 and what it prints for ``-version``: the binary a wrapper script runs)."""
+    if not _DECODER:
+        from cosmos_framework.data.generator.local_datasets import helper, sft_dataset
+
+        _DECODER.update(helper=file_sha256(inspect.getfile(helper)), dataset=file_sha256(inspect.getfile(sft_dataset)),
+                        **_tool("ffmpeg"), **_tool("ffprobe"))
+    return _DECODER
+
+
+def _source(probe: _Probe, path: str) -> str:
+    if probe.source is None:
+        probe.source = file_sha256(path)
+    return probe.source
+
+
+def patched_get_video_metadata(original: Callable[..., Any]) -> Callable[..., Any]:
+    """upstream's ``helper.get_video_metadata`` (ffprobe) as ``sft_dataset`` calls it: in a decode-free run, inside
+    :func:`patched_process_one_sample`, its answer is kept per source (the file's SHA-256 and
+    :func:`decoder_fingerprint`) and served again instead of running ffprobe; elsewhere the original."""
+
+    def get_video_metadata(video_path):
+        probe = _PROBE.get()
+        if probe is None or probe.store is None:
+            return original(video_path)
+        key = make_key({"format": FORMAT + "-probe", "source": _source(probe, video_path),
+                        "decoder": decoder_fingerprint()})
+        try:
+            tensors, _ = probe.store.load(key)
+            return json.loads(bytes(tensors["probe"].tolist()).decode())
+        except (FileNotFoundError, CorruptEntry, KeyError, ValueError):
+            pass
+        out = original(video_path)
+        probe.store.store(key, {"probe": torch.tensor(list(json.dumps(out, sort_keys=True).encode()),
+                                                      dtype=torch.uint8)})
+        return out
+
+    return get_video_metadata
+
+
+def patched_ffmpeg_decode_video(original: Callable[..., Any]) -> Callable[..., Any]:
+    """upstream's ``helper.ffmpeg_decode_video`` as ``sft_dataset`` calls it: outside :func:`patched_process_one_sample`
+    the original; inside, it records the source file's SHA-256 and the scale, and on the speculative pass (the clip's
+    latent may be cached) yields zero frames of the decoded shape instead of running ffmpeg."""
+
+    def ffmpeg_decode_video(video_path, scale_hw=None, num_threads=1):
+        probe = _PROBE.get()
+        if probe is None:
+            return original(video_path, scale_hw=scale_hw, num_threads=num_threads)
+        _source(probe, video_path)
+        probe.scale_hw = tuple(int(x) for x in scale_hw) if scale_hw is not None else None
+        if probe.speculate and probe.scale_hw is not None:
+            return _zero_frames(probe.scale_hw)
+        return original(video_path, scale_hw=scale_hw, num_threads=num_threads)
+
+    return ffmpeg_decode_video
+
+
+def _zero_frames(scale_hw: tuple[int, int]) -> Iterator[Any]:
+    import numpy as np
+
+    frame = np.zeros((*scale_hw, 3), dtype=np.uint8)
+    frame.setflags(write=False)
+    for _ in range(1 << 20):  # upstream's loop stops at the window's last frame
+        yield frame
+
+
+def source_key(sample: dict[str, Any], probe: _Probe) -> str:
+    """SHA-256 (hex) of what decides a decoded sample's pixels without reading them: the source's bytes, the scale,
+    the identity fields, the clip's shape and dtype, and :func:`decoder_fingerprint`."""
+    video = sample["video"]
+    ident = {k: _flat(sample[k]) for k in _IDENTITY}
+    return make_key({"format": FORMAT + "-source", "source": probe.source, "scale_hw": list(probe.scale_hw or ()),
+                     "identity": ident, "shape": list(video.shape), "dtype": str(video.dtype),
+                     "decoder": decoder_fingerprint()}).digest
+
+
+class DecodeFree:
+    """Decode-free hits, handed to upstream's dataset in the loader's workers through :data:`PLAN_ENV`.
+
+    A window whose latent the cache holds under the active VAE fingerprint is not decoded: the index entry
+    ``(source key, VAE fingerprint) -> (sample key, latent entry)``, written by the trainer process once the latent is
+    stored or served, gives the sample its :data:`SAMPLE_KEY` without the pixels. Its ``video`` holds zeros of the
+    decoded shape; :data:`REPLAY` lets the trainer process decode it again where pixels are read
+    (:func:`decode_cached`).
+
+    Args:
+        root: the cache folder.
+        vae: :meth:`UpstreamLatentCache.fingerprint`.
+    """
+
+    def __init__(self, root: str | Path, vae: dict[str, str]):
+        self.root = str(root)
+        self.vae = dict(vae)
+
+    def index_key(self, source: str):
+        return make_key({"format": FORMAT + "-index", "source": source, "vae": self.vae})
+
+    def lookup(self, source: str) -> tuple[str, str] | None:
+        """``(sample key, latent entry digest)`` of a cached window whose latent file is present, else ``None``."""
+        store = LatentStore(self.root)
+        try:
+            tensors, _ = store.load(self.index_key(source))
+            sample, latent = (bytes(tensors[n].tolist()).hex() for n in ("sample", "latent"))
+        except (FileNotFoundError, CorruptEntry, KeyError, ValueError):
+            return None
+        return (sample, latent) if latent_path(store, latent).is_file() else None
+
+    def record(self, source: str, sample: str, latent: str) -> None:
+        """Write the index entry (once)."""
+        store = LatentStore(self.root, fix="set ONECARD_LATENT_CACHE to another folder")
+        key = self.index_key(source)
+        if not store.path(key).is_file():
+            store.store(key, {n: torch.tensor(list(bytes.fromhex(v)), dtype=torch.uint8)
+                              for n, v in (("sample", sample), ("latent", latent))})
+
+
+PLAN_ENV = "ONECARD_LATENT_CACHE_PLAN"
+"""Internal: the :class:`DecodeFree` plan as JSON (cache folder, VAE fingerprint), set by the trainer process when the
+VAE is set up, before upstream starts (and pre-warms) the loader's workers, which inherit it."""
+_PLANS: dict[str, DecodeFree] = {}
+
+
+def start_decode_free(cache: "UpstreamLatentCache") -> DecodeFree | None:
+    """Turn decode-free hits on for ``cache`` and for every loader worker started after this call (:data:`PLAN_ENV`);
+    off (``None``) for a check run or with ``ONECARD_LATENT_CACHE_DECODE=1``."""
+    if cache.check or LATENT_CACHE_DECODE.value():
+        os.environ.pop(PLAN_ENV, None)
+        cache.decode_free = None
+        return None
+    cache.decode_free = DecodeFree(cache.store.root, cache.fingerprint())
+    os.environ[PLAN_ENV] = json.dumps({"root": cache.decode_free.root, "vae": cache.decode_free.vae}, sort_keys=True)
+    return cache.decode_free
+
+
+def current_plan() -> DecodeFree | None:
+    """The plan of :data:`PLAN_ENV` in this process (parsed once), or ``None``."""
+    raw = os.environ.get(PLAN_ENV, "")
+    if not raw:
+        return None
+    if raw not in _PLANS:
+        d = json.loads(raw)
+        _PLANS[raw] = DecodeFree(d["root"], d["vae"])
+    return _PLANS[raw]
+
+
+def latent_path(store: LatentStore, digest: str) -> Path:
+    return store.root / digest[:2] / f"{digest}.safetensors"
+
+
+SOURCE_KEY = "onecard_source_key"
+"""The sample field (hex): :func:`source_key` of a decoded sample, ``""`` where the decode was not probed."""
+PIXELS = "onecard_pixels"
+"""The sample field: ``"decoded"`` (upstream decoded the clip) or ``"cached"`` (not decoded: ``video`` holds zeros)."""
+LATENT_FILE = "onecard_latent_file"
+"""The sample field: the cached latent's entry digest for a ``"cached"`` sample, else ``""``."""
+REPLAY = "onecard_replay"
+"""The sample field: for a ``"cached"`` sample, what decodes it again (base64 pickle of its metadata row and the
+Python and NumPy RNG states before the call), else ``""``."""
+
+
+def _rng_states() -> tuple[Any, Any]:
+    import numpy as np
+
+    return random.getstate(), np.random.get_state()
+
+
+def _set_rng(states: tuple[Any, Any]) -> None:
+    import numpy as np
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+
+
+def _call(original: Callable[..., Any], self: Any, metadata: dict, speculate: bool,
+          plan: DecodeFree | None = None) -> tuple[Any, _Probe]:
+    probe = _Probe(speculate, LatentStore(plan.root) if plan is not None else None)
+    token = _PROBE.set(probe)
+    try:
+        return original(self, metadata), probe
+    finally:
+        _PROBE.reset(token)
+
+
+def _is_clip(sample: Any) -> bool:
+    return isinstance(sample, dict) and isinstance(sample.get("video"), torch.Tensor)
+
+
+def patched_process_one_sample(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``SFTDataset.process_one_sample`` that adds :data:`SAMPLE_KEY` (and the decode-free fields) to every sample.
+
+    With a decode-free plan (:func:`current_plan`), it first runs upstream's code with the
+    decoder yielding zeros; if the resulting window is in the index, that sample is returned (``"cached"``);
+    otherwise the RNG states are put back and upstream's code runs again with the real decode, so the sample and
+    every later draw are what stock gives.
+    """
     def process_one_sample(self, metadata):
-        sample = original(self, metadata)
-        if isinstance(sample, dict) and isinstance(sample.get("video"), torch.Tensor):
+        plan = current_plan()
+        if plan is not None:
+            before = _rng_states()
+            sample, probe = _call(original, self, metadata, speculate=True, plan=plan)
+            if _is_clip(sample) and probe.source is not None and probe.scale_hw is not None:
+                skey = source_key(sample, probe)
+                hit = plan.lookup(skey)
+                if hit is not None:
+                    sample.update({SAMPLE_KEY: hit[0], SOURCE_KEY: skey, PIXELS: "cached", LATENT_FILE: hit[1],
+                                   REPLAY: base64.b64encode(pickle.dumps((metadata, before))).decode()})
+                    return sample
+            _set_rng(before)
+        sample, probe = _call(original, self, metadata, speculate=False, plan=plan)
+        if _is_clip(sample):
             sample[SAMPLE_KEY] = sample_key(sample, sample["video"])
+            sample.update({SOURCE_KEY: source_key(sample, probe) if probe.source is not None else "",
+                           PIXELS: "decoded", LATENT_FILE: "", REPLAY: ""})
         return sample
 
+    process_one_sample.__wrapped__ = original  # what decode_cached calls again
     return process_one_sample
+
+
+def _field(data_batch: dict[str, Any], name: str, n: int) -> list[str] | None:
+    v = data_batch.get(name)
+    return v if isinstance(v, list) and len(v) == n and all(isinstance(x, str) for x in v) else None
+
+
+def cached_samples(data_batch: dict[str, Any]) -> list[int]:
+    """Indexes of the batch's samples whose ``video`` holds zeros (``"cached"``)."""
+    videos = data_batch.get("video")
+    flags = _field(data_batch, PIXELS, len(videos)) if isinstance(videos, list) else None
+    return [i for i, f in enumerate(flags or []) if f == "cached"]
+
+
+def decode_cached(data_batch: dict[str, Any], which: list[int] | None = None) -> int:
+    """Decode the ``"cached"`` samples of ``data_batch`` again (upstream's own ``process_one_sample`` with the RNG
+    states they were drawn with) and write their pixels into the batch in place; returns how many.
+
+    Raises:
+        LatentCacheError: upstream's dataset is not known in this process, or a clip decodes to other pixels than
+            the ones its latent was keyed by (the source changed during the run).
+    """
+    which = cached_samples(data_batch) if which is None else which
+    if not which:
+        return 0
+    dataset = _DATASET.get("sft")
+    original = getattr(getattr(type(dataset), "process_one_sample", None), "__wrapped__", None)
+    if dataset is None or original is None:
+        raise LatentCacheError("latent cache: a batch holds clips that were not decoded, and upstream's dataset is "
+                               "not known in this process to decode them; set ONECARD_LATENT_CACHE_DECODE=1")
+    keys, replay = data_batch[SAMPLE_KEY], data_batch[REPLAY]
+    for i in which:
+        metadata, states = pickle.loads(base64.b64decode(replay[i]))
+        now = _rng_states()
+        try:
+            _set_rng(states)
+            sample, _ = _call(original, dataset, metadata, speculate=False)
+        finally:
+            _set_rng(now)
+        if not _is_clip(sample) or sample_key(sample, sample["video"]) != keys[i]:
+            raise LatentCacheError(f"latent cache: the clip of sample {keys[i][:16]} ({_flat(data_batch['__url__'][i])}) "
+                                   "no longer decodes to the pixels its latent was stored for; remove the cache folder "
+                                   "or set ONECARD_LATENT_CACHE_DECODE=1 and rerun")
+        slot = data_batch["video"][i]
+        target = slot[0] if isinstance(slot, (list, tuple)) else slot
+        target.copy_(sample["video"].reshape(target.shape))
+        data_batch[PIXELS][i] = "decoded"
+    return len(which)
+
+
+_DATASET: dict[str, Any] = {}
+
+
+def patched_draw_sample(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``EveryNDrawSample.every_n_impl`` (upstream's callback that shows the batch's pixels) with the batch's
+    not-decoded clips decoded first (:func:`decode_cached`)."""
+
+    def every_n_impl(self, trainer, model, data_batch, output_batch, loss, iteration):
+        decode_cached(data_batch)
+        return original(self, trainer, model, data_batch, output_batch, loss, iteration)
+
+    return every_n_impl
 
 
 def batch_keys(data_batch: dict[str, Any]) -> list[str] | None:
@@ -164,6 +471,8 @@ class UpstreamLatentCache:
         self.batches = 0
         self.check = bool(LATENT_CACHE_CHECK.value())
         """``ONECARD_LATENT_CACHE_CHECK``: compare every hit with upstream's online encode (:meth:`verify`)."""
+        self.decode_free: DecodeFree | None = None
+        """Set by the pre-pass unless ``ONECARD_LATENT_CACHE_DECODE`` or the check run asks every clip decoded."""
 
     def fingerprint(self) -> dict[str, str]:
         """What besides its input decides upstream's encode (computed once; reads every VAE weight)."""
@@ -244,6 +553,12 @@ def patched_encode_vision_x0_tokens(original: Callable[..., Any]) -> Callable[..
                                 *more, **kw)
         out = [cache.load(k, item) for k, item in zip(keys, raw_state_vision)]
         missing = [i for i, t in enumerate(out) if t is None]
+        pixels = getattr(self, "_onecard_batch_pixels", None) or ["decoded"] * len(keys)
+        blind = [i for i in missing if pixels[i] == "cached"]
+        if blind:
+            raise LatentCacheError(f"latent cache: the latent of not-decoded sample {keys[blind[0]][:16]} could not be "
+                                   f"read from {cache.store.root} (see the warning above); remove that folder, or set "
+                                   "ONECARD_LATENT_CACHE_DECODE=1, and rerun")
         cache.stats["hits"] += len(out) - len(missing)
         cache.stats["misses"] += len(missing)
         if cache.check and len(missing) < len(out):
@@ -257,6 +572,11 @@ def patched_encode_vision_x0_tokens(original: Callable[..., Any]) -> Callable[..
             for i, latent in zip(missing, fresh):
                 cache.save(keys[i], raw_state_vision[i], latent)
                 out[i] = latent
+        sources = getattr(self, "_onecard_batch_sources", None)
+        if cache.decode_free is not None and sources is not None:
+            for i, item in enumerate(raw_state_vision):
+                if sources[i] and pixels[i] == "decoded":
+                    cache.decode_free.record(sources[i], keys[i], cache.key(keys[i], item).digest)
         cache.batches += 1
         if cache.batches in (1, 10) or cache.batches % 100 == 0:
             log.info("onecard: latent cache: %d batches served, %s", cache.batches,
@@ -268,15 +588,28 @@ def patched_encode_vision_x0_tokens(original: Callable[..., Any]) -> Callable[..
 
 def serving(self, data_batch: dict[str, Any]) -> contextlib.AbstractContextManager:
     """Within it, ``self``'s ``_encode_vision_x0_tokens`` knows ``data_batch``'s sample keys (used by lever 2's
-    ``get_data_and_condition`` patch when this lever is on)."""
+    ``get_data_and_condition`` patch when this lever is on). A not-decoded (``"cached"``) sample whose latent file is
+    no longer in the cache is decoded first (:func:`decode_cached`), so it is encoded from its real pixels."""
 
     @contextlib.contextmanager
     def scope() -> Iterator[None]:
-        self._onecard_batch_keys = batch_keys(data_batch)
+        keys = batch_keys(data_batch)
+        cached = cached_samples(data_batch) if keys is not None else []
+        cache: UpstreamLatentCache | None = getattr(self, "_onecard_latents", None)
+        if cached and cache is not None:
+            gone = [i for i in cached if not latent_path(cache.store, data_batch[LATENT_FILE][i]).is_file()]
+            if gone:
+                log.warning("onecard: latent cache: %d not-decoded clips lost their latent file; decoding them",
+                            len(gone))
+                decode_cached(data_batch, gone)
+        n = len(keys) if keys is not None else 0
+        self._onecard_batch_keys = keys
+        self._onecard_batch_sources = _field(data_batch, SOURCE_KEY, n) if keys is not None else None
+        self._onecard_batch_pixels = _field(data_batch, PIXELS, n) if keys is not None else None
         try:
             yield
         finally:
-            self._onecard_batch_keys = None
+            self._onecard_batch_keys = self._onecard_batch_sources = self._onecard_batch_pixels = None
 
     return scope()
 
@@ -375,6 +708,9 @@ def run_prepass(model: Any, loader: Any, out: Any = None,
     rows = windows(dataset)[rank::world]
     params = inspect.signature(model.get_data_and_condition).parameters
     kwargs = {k: v for k, v in (("iteration", 0), ("retain_raw_state_vision", False)) if k in params}
+    if cache.decode_free is None:
+        start_decode_free(cache)
+    _DATASET["sft"] = dataset  # what decode_cached decodes with, in this process
     before = dict(cache.stats)
     t0 = time.perf_counter()
     with rng_preserved(), torch.no_grad():

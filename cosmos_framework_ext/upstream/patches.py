@@ -46,7 +46,7 @@ from patches.core.runtime import GiB, as_dtensor, group_moves_host_tensors, to_l
 
 from cosmos_framework_ext.levers.ema import EMA, canonical_name
 from cosmos_framework_ext.levers.vae_offload import VAEOffload
-from cosmos_framework_ext.upstream.latents import UpstreamLatentCache, serving, with_vae
+from cosmos_framework_ext.upstream.latents import UpstreamLatentCache, serving, start_decode_free, with_vae
 
 log = logging.getLogger("onecard.upstream")
 
@@ -253,7 +253,9 @@ def patched_set_up_tokenizers(original: Callable[..., Any]) -> Callable[..., Any
             if LATENT_CACHE.value():
                 self._onecard_latents = UpstreamLatentCache(latent_cache_dir(), self, device)
                 self._onecard_latents.store.ensure(LATENT_CACHE_DIR)
-                log.info("onecard: latent cache at %s", self._onecard_latents.store.root)
+                plan = start_decode_free(self._onecard_latents)  # before upstream starts the loader's workers
+                log.info("onecard: latent cache at %s (%s)", self._onecard_latents.store.root,
+                         "cached clips are not decoded" if plan else "every clip is decoded")
         return result
 
     return set_up_tokenizers

@@ -127,6 +127,13 @@ LATENT_CACHE_CHECK = Flag(
     "two differ (a check run: the VAE is on the GPU for every micro-batch)",
 )
 
+LATENT_CACHE_DECODE = Flag(
+    "ONECARD_LATENT_CACHE_DECODE",
+    "lever 4 in upstream's trainer: decode every clip even when its latent is cached (by default a cached clip is "
+    "not decoded and its batch carries zero pixels of the decoded shape, re-decoded for upstream's sample-drawing "
+    "callback); for callbacks of your own that read the batch's pixels",
+)
+
 
 def latent_cache_dir(environ: dict[str, str] | None = None) -> Path:
     """The latent cache folder: ``$ONECARD_LATENT_CACHE``, else ``$ONECARD_DATA_CACHE/latents``, else

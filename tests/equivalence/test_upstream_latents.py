@@ -268,3 +268,245 @@ def test_check_mode_compares_every_hit_and_stops_on_a_difference(tmp_path, monke
     monkeypatch.setattr(UpstreamLatentCache, "load", lambda self, s, item: real(self, s, item) + 2 ** -8)
     with pytest.raises(LatentCacheError, match="differs from upstream's online encode"):
         encode_batch(patched(Model(), tmp_path), b)
+
+
+# ------------------------------------------------------------------------------------------- decode-free hits
+def file_decode(path, scale_hw=None, num_threads=1):
+    """The stand-in decoder: the file's bytes as ``[H, W, 3]`` uint8 frames (what ffmpeg would yield)."""
+    data = np.frombuffer(open(path, "rb").read(), dtype=np.uint8)
+    h, w = scale_hw
+    n = h * w * 3
+    for i in range(len(data) // n):
+        yield data[i * n:(i + 1) * n].reshape(h, w, 3)
+
+
+def file_probe(path):
+    """The stand-in ffprobe: the frame count and a rate from the file's size."""
+    n = len(open(path, "rb").read()) // (8 * 8 * 3)
+    return {"total_frames": n, "fps": 24.0 / 1.001, "width": 8, "height": 8}
+
+
+class UpDataset:
+    """Upstream's ``process_one_sample`` in miniature: ffprobe, a random window, the decode through the module's
+    decoder (read at call time, as upstream reads ``ffmpeg_decode_video``), frame selection, a random caption."""
+
+    decoder = staticmethod(file_decode)
+    probe = staticmethod(file_probe)
+    decoded = probed = 0
+
+    def __init__(self, rows):
+        self.metadata, self.s3_client = rows, None
+
+    def process_one_sample(self, meta):
+        info = type(self).probe(meta["vision_path"])
+        win = meta["t2w_windows"][random.randrange(len(meta["t2w_windows"]))]
+        start = win["start_frame"]
+        frames = []
+        for idx, f in enumerate(type(self).decoder(meta["vision_path"], scale_hw=(8, 8), num_threads=2)):
+            if idx < start:
+                continue
+            if idx > start + 4:
+                break
+            frames.append(f)
+        video = torch.from_numpy(np.ascontiguousarray(np.stack(frames).transpose(3, 0, 1, 2)))
+        return {"video": video, "__url__": meta["vision_path"], "frame_start": start, "frame_end": start + 4,
+                "num_multiplier": 1, "image_size": torch.tensor([8.0, 8.0, 8.0, 8.0]),
+                "ai_caption": "a" if np.random.rand() < 0.5 else "b", "fps": info["fps"],
+                "n_orig_video_frames": info["total_frames"]}
+
+
+def counting_decode(path, scale_hw=None, num_threads=1):
+    UpDataset.decoded += 1
+    return file_decode(path, scale_hw, num_threads)
+
+
+def counting_probe(path):
+    UpDataset.probed += 1
+    return file_probe(path)
+
+
+class Patched(UpDataset):
+    decoder = staticmethod(L.patched_ffmpeg_decode_video(counting_decode))
+    probe = staticmethod(L.patched_get_video_metadata(counting_probe))
+    process_one_sample = L.patched_process_one_sample(UpDataset.process_one_sample)
+
+
+def write_clips(root, seeds=(1, 2)):
+    rows = []
+    for i, seed in enumerate(seeds):
+        path = root / f"c{i}.raw"
+        path.write_bytes(np.random.default_rng(seed).integers(0, 256, 10 * 8 * 8 * 3, dtype=np.uint8).tobytes())
+        rows.append({"uuid": f"c{i}", "vision_path": str(path),
+                     "t2w_windows": [{"start_frame": 0}, {"start_frame": 3}]})
+    return rows
+
+
+def pack(sample: dict) -> dict:
+    """One sample as the packing loader hands it over: each field a one-element list, the clip ``[[video]]``."""
+    return {k: ([[v]] if k == "video" else [v]) for k, v in sample.items()}
+
+
+@pytest.fixture(autouse=True)
+def no_plan(monkeypatch):
+    monkeypatch.setenv(L.PLAN_ENV, "")  # restored (unset) after each test, whatever the test's code sets
+
+
+@pytest.fixture
+def decode_free(tmp_path, monkeypatch):
+    monkeypatch.setattr(L, "_DECODER", {"stand-in": "file_decode"})
+    monkeypatch.setattr(L, "_DATASET", {})
+    rows = write_clips(tmp_path)
+    m = patched(PrepassModel(), tmp_path / "latents")
+    ds = Patched(rows)
+    done = L.run_prepass(m, SimpleNamespace(dataset=ds), pack=pack)
+    return SimpleNamespace(rows=rows, model=m, ds=ds, done=done)
+
+
+def draw(ds, n=12, seed=0):
+    random.seed(seed)
+    np.random.seed(seed)
+    out = [ds.process_one_sample(r) for r in (ds.metadata * n)[:n]]
+    return out, (random.getstate(), np.random.get_state()[1].copy())
+
+
+def test_decode_free_hits_are_stock_samples_without_the_decode(decode_free, tmp_path):
+    """After the pre-pass, every window is served without decoding: each sample's fields, its key and every later
+    RNG draw are stock's; the latents served equal the online encode of stock's pixels; decode_cached restores
+    stock's pixels exactly."""
+    f = decode_free
+    # 4 latents, 4 index entries, 2 ffprobe answers (one per source)
+    assert f.done["stored"] == 4 and len(list((tmp_path / "latents").rglob("*.safetensors"))) == 10
+    stock, stock_rng = draw(UpDataset(f.rows))
+    UpDataset.decoded = UpDataset.probed = 0
+    got, rng = draw(f.ds)
+    assert UpDataset.decoded == UpDataset.probed == 0 and {s[L.PIXELS] for s in got} == {"cached"}
+    assert rng[0] == stock_rng[0] and np.array_equal(rng[1], stock_rng[1])
+    for s, g in zip(stock, got):
+        assert all(torch.equal(torch.as_tensor(g[k]), torch.as_tensor(v)) if k == "image_size" else g[k] == v
+                   for k, v in s.items() if k != "video")
+        assert g[L.SAMPLE_KEY] == L.sample_key(s, s["video"]) and not g["video"].any()
+        assert g["video"].shape == s["video"].shape and g["video"].dtype == s["video"].dtype
+    served = patched(Raising(), tmp_path / "latents")
+    served._onecard_latents.decode_free = f.model._onecard_latents.decode_free
+    vae = f.model.tokenizer_vision_gen.model.model
+    for s, g in zip(stock, got):
+        b = pack(g)
+        assert same(encode_batch(served, b), [encode_ref(vae, x, True) for x in normalised([s["video"]])])
+        assert L.decode_cached(b) == 1 and torch.equal(b["video"][0][0], s["video"]) and b[L.PIXELS] == ["decoded"]
+
+
+def test_a_changed_source_is_decoded_and_a_lost_latent_is_decoded_again(decode_free, tmp_path):
+    f = decode_free
+    path = f.rows[0]["vision_path"]
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 1  # same size, one byte: the index key reads the source's bytes
+    open(path, "wb").write(bytes(data))
+    stock, stock_rng = draw(UpDataset(f.rows), n=4)
+    got, rng = draw(f.ds, n=4)
+    assert [g[L.PIXELS] for g in got] == ["decoded", "cached", "decoded", "cached"]
+    assert all(torch.equal(s["video"], g["video"]) for s, g in zip(stock[::2], got[::2]))
+    assert rng[0] == stock_rng[0] and np.array_equal(rng[1], stock_rng[1])
+    b = pack(got[1])
+    L.latent_path(f.model._onecard_latents.store, b[L.LATENT_FILE][0]).unlink()
+    vae = f.model.tokenizer_vision_gen.model.model
+    assert same(encode_batch(f.model, b), [encode_ref(vae, x, True) for x in normalised([stock[1]["video"]])])
+    assert b[L.PIXELS] == ["decoded"]
+
+
+def test_the_sample_drawing_callback_sees_decoded_pixels(decode_free):
+    f = decode_free
+    seen = []
+    cb = L.patched_draw_sample(lambda self, trainer, model, data_batch, *rest: seen.append(data_batch["video"][0][0]))
+    stock, _ = draw(UpDataset(f.rows), n=2)
+    got, _ = draw(f.ds, n=2)
+    for s, g in zip(stock, got):
+        cb(None, None, None, pack(g), None, None, 1)
+        assert torch.equal(seen[-1], s["video"])
+
+
+def test_the_decode_flag_and_the_check_run_decode_every_clip(tmp_path, monkeypatch):
+    monkeypatch.setattr(L, "_DECODER", {"stand-in": "file_decode"})
+    rows = write_clips(tmp_path)
+    for env in ("ONECARD_LATENT_CACHE_DECODE", "ONECARD_LATENT_CACHE_CHECK"):
+        monkeypatch.setenv(env, "1")
+        m = patched(PrepassModel(), tmp_path / "latents")
+        ds = Patched(rows)
+        L.run_prepass(m, SimpleNamespace(dataset=ds), pack=pack)
+        assert m._onecard_latents.decode_free is None and {draw(ds, n=4)[0][i][L.PIXELS] for i in range(4)} == {"decoded"}
+        monkeypatch.delenv(env)
+
+
+def test_planted_speculative_pass_that_keeps_its_draws_is_caught(tmp_path, monkeypatch):
+    """Planted: after a speculative pass that misses, the RNG is not put back: samples and later draws differ."""
+    monkeypatch.setattr(L, "_DECODER", {"stand-in": "file_decode"})
+    monkeypatch.setattr(L, "_set_rng", lambda states: None)
+    rows = write_clips(tmp_path)
+    ds = Patched(rows)
+    monkeypatch.setenv(L.PLAN_ENV, '{"root": "%s", "vae": {}}' % (tmp_path / "empty"))  # every lookup misses
+    stock, stock_rng = draw(UpDataset(rows))
+    got, rng = draw(ds)
+    assert rng[0] != stock_rng[0] or any(s["frame_start"] != g["frame_start"] for s, g in zip(stock, got))
+
+
+def test_planted_source_key_without_the_bytes_serves_a_stale_clip(decode_free, monkeypatch):
+    """Planted: the decoder records the source's path instead of its bytes; a changed clip is then served its old
+    latent (no decode, so its pixels are never looked at)."""
+    f = decode_free
+    monkeypatch.setattr(L, "file_sha256", lambda p: "same")
+    monkeypatch.setattr(L, "_DECODER", {"stand-in": "file_decode"})
+    L.run_prepass(f.model, SimpleNamespace(dataset=f.ds), pack=pack)  # index entries under the planted key
+    path = f.rows[0]["vision_path"]
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 1
+    open(path, "wb").write(bytes(data))
+    got, _ = draw(f.ds, n=4)
+    assert got[0][L.PIXELS] == "cached"  # what the real key prevents (test_a_changed_source_is_decoded_...)
+
+
+def test_planted_callback_without_decode_shows_zeros(decode_free, monkeypatch):
+    f = decode_free
+    monkeypatch.setattr(L, "decode_cached", lambda data_batch, which=None: 0)
+    seen = []
+    cb = L.patched_draw_sample(lambda self, trainer, model, data_batch, *rest: seen.append(data_batch["video"][0][0]))
+    stock, _ = draw(UpDataset(f.rows), n=1)
+    got, _ = draw(f.ds, n=1)
+    cb(None, None, None, pack(got[0]), None, None, 1)
+    assert not torch.equal(seen[-1], stock[0]["video"])
+
+
+def test_every_decode_free_key_part_misses(decode_free, tmp_path, monkeypatch):
+    """Another decoder (ffmpeg/ffprobe binary or upstream's decode code), a longer source, a window whose latent file
+    is gone: each such window is decoded (and probed) again, and gives stock's sample."""
+    f = decode_free
+    monkeypatch.setattr(L, "_DECODER", {"stand-in": "another ffmpeg"})
+    assert {g[L.PIXELS] for g in draw(f.ds, n=4)[0]} == {"decoded"}
+    monkeypatch.setattr(L, "_DECODER", {"stand-in": "file_decode"})
+    path = f.rows[1]["vision_path"]
+    open(path, "ab").write(bytes(2 * 8 * 8 * 3))  # two more frames: ffprobe's answer changes too
+    stock, _ = draw(UpDataset(f.rows), n=4)
+    got, _ = draw(f.ds, n=4)
+    assert [g[L.PIXELS] for g in got] == ["cached", "decoded", "cached", "decoded"]
+    assert all(s["n_orig_video_frames"] == g["n_orig_video_frames"] for s, g in zip(stock, got))
+    for g in got[::2]:
+        L.latent_path(f.model._onecard_latents.store, g[L.LATENT_FILE]).unlink(missing_ok=True)
+    assert {g[L.PIXELS] for g in draw(f.ds, n=4)[0]} == {"decoded"}
+
+
+def test_a_cached_sample_whose_source_changed_is_not_served_blind(decode_free, tmp_path):
+    """Drawn without decoding, then its source changes: decoding it again for a pixel reader stops with one error;
+    a cached sample whose stored latent cannot be read stops the encode (its pixels are zeros)."""
+    from patches.core.data.latents import LatentCacheError
+
+    f = decode_free
+    got, _ = draw(f.ds, n=2)
+    path = f.rows[0]["vision_path"]
+    data = bytearray(open(path, "rb").read())
+    data[4 * 8 * 8 * 3 + 5] ^= 1  # frame 4: in both windows
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(LatentCacheError, match="no longer decodes to the pixels"):
+        L.decode_cached(pack(got[0]))
+    b = pack(got[1])
+    lat = L.latent_path(f.model._onecard_latents.store, b[L.LATENT_FILE][0])
+    lat.write_bytes(lat.read_bytes()[:-8] + bytes(8))
+    with pytest.raises(LatentCacheError, match="not-decoded sample"):
+        encode_batch(f.model, b)

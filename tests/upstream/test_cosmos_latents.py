@@ -45,6 +45,12 @@ WINDOWS = [{"start_frame": 0, "end_frame": 8, "temporal_interval": 1, "caption":
            {"start_frame": 4, "end_frame": 12, "temporal_interval": 1, "caption": "b"}]
 
 
+@pytest.fixture(autouse=True)
+def no_plan(monkeypatch):
+    """The decode-free plan the patched set_up_tokenizers exports is undone after each test."""
+    monkeypatch.setenv("ONECARD_LATENT_CACHE_PLAN", "")
+
+
 @pytest.fixture
 def clips(tmp_path, monkeypatch):
     """Two small mp4 clips (two windows each) and the ffmpeg/ffprobe stand-ins first on PATH."""
@@ -236,6 +242,45 @@ def test_the_table_names_the_dataset_model_and_trainer_targets():
     assert not {"ema.set_up_model", "optim.state_offload"} & names
     ps.apply(ON)
     ps.revert()
+
+
+def test_cached_windows_are_not_decoded_and_decode_again_to_upstreams_pixels(tmp_path, monkeypatch, dataset, clips):
+    """After the pre-pass, upstream's dataset returns each window without running ffmpeg (the stand-in is made to
+    fail): every field, the key and the RNG draws are stock's, the clip is zeros of the decoded shape, and
+    decode_cached puts upstream's own decoded pixels back into the packed batch."""
+    import shutil
+
+    from cosmos_framework_ext.upstream import latents as L
+
+    random.seed(3)
+    stock = _samples(dataset, clips)
+    stock_rng = random.getstate()
+    ps = patch_set()
+    ps.apply(ON)
+    try:
+        m = _with_cache(tmp_path, monkeypatch)
+        assert L.run_prepass(m, SimpleNamespace(dataset=dataset))["stored"] == 4
+        ffmpeg = Path(shutil.which("ffmpeg"))
+        kept = ffmpeg.read_bytes()
+        ffmpeg.write_text("#!/bin/sh\nexit 3\n")  # a decode now yields no frame (the sample would be None)
+        random.seed(3)
+        got = _samples(dataset, clips)
+        assert random.getstate() == stock_rng and all(g is not None and g[L.PIXELS] == "cached" for g in got)
+        ffmpeg.write_bytes(kept)
+        for s, g in zip(stock, got):
+            assert g[L.SAMPLE_KEY] == L.sample_key(s, s["video"]) and not g["video"].any()
+            for k, v in s.items():
+                same = torch.equal(v, g[k]) if isinstance(v, torch.Tensor) and k != "video" else (k == "video" or v == g[k])
+                assert same, k
+            packed = L.pack_one(g)
+            clip = packed["video"][0][0] if isinstance(packed["video"][0], list) else packed["video"][0]
+            assert L.decode_cached(packed) == 1 and torch.equal(clip.reshape(s["video"].shape), s["video"])
+        random.seed(3)
+        served = [_x0(m, g) for g in _samples(dataset, clips)]
+        online = [_x0(_model(), s) for s in stock]
+        assert all(_same(a, b) for a, b in zip(online, served))
+    finally:
+        ps.revert()
 
 
 # ------------------------------------------------------------------------------------------- planted bugs

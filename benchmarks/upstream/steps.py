@@ -1,0 +1,97 @@
+"""Summarise a ``run_upstream.sh`` log: each optimizer step's time, loss, model time and data-loader wait, and MFU.
+
+    python benchmarks/upstream/steps.py LOG [--json OUT] [--peak-tflops 989]
+
+Reads the lines upstream's ``iter_speed`` callback writes (``Iteration N: ... | Loss: L | Time: S s``) and the
+lines ``memcap.py`` writes with ``ONECARD_MEMCAP_STEPS=1`` (``micro-batch K S s samples [[text, vision], ...]``, one per
+``training_step``, timed between two CUDA synchronisations). For step N (N >= 2; step 1 includes compile and the
+pre-pass) the micro-batches are the ``grad_accum_iter`` calls that end it; its **loader wait** is the step's time minus
+the sum of their times (what the step spent outside ``training_step``: upstream's data loader, callbacks, logging).
+Model FLOPs per micro-batch are :func:`benchmarks.edge_24gb.model_flops` over its logged ``(text, vision)`` split
+with the recipe's trainable keys (``toml/vision_sft_edge_24gb.toml``); MFU is against ``--peak-tflops``
+(default: the H100/H200 dense-BF16 datasheet, 989 TFLOP/s). Prints one line per step from step 2.
+
+Exit status 2 with one ``error:`` line when the log does not exist or holds no timed micro-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ITER = re.compile(r"Iteration (\d+):.*?Loss: ([-\d.eE+naninf]+).*?Time: ([\d.]+)s")
+MICRO = re.compile(r"micro-batch (\d+) ([\d.]+) s samples (\[\[.*?\]\])")
+PEAK = re.compile(r"peak allocated ([\d.]+) GiB, peak reserved ([\d.]+) GiB")
+KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
+"""``keys_to_select`` of ``toml/vision_sft_edge_24gb.toml`` (what the recipe trains)."""
+
+
+def summarise(text: str, grad_accum_iter: int, peak_tflops: float, flops_of=None) -> dict:
+    """The log's steps as a dict (``steps``: one entry per optimizer step from step 2, ``peak_gib``, ``micro_batch_s``).
+
+    ``flops_of(samples) -> FLOPs`` (default: the edge preset's :func:`model_flops` with :data:`KEYS`).
+    """
+    if flops_of is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from benchmarks.edge_24gb import model_flops, pathway_params
+
+        p = pathway_params("edge", KEYS)
+
+        def flops_of(samples):
+            return model_flops(samples, p)
+
+    micro = [(float(m.group(2)), json.loads(m.group(3))) for m in MICRO.finditer(text)]
+    iters = {int(m.group(1)): (float(m.group(3)), float(m.group(2))) for m in ITER.finditer(text)}
+    steps = []
+    for n in sorted(iters):
+        if n < 2 or n * grad_accum_iter > len(micro):
+            continue
+        mb = micro[(n - 1) * grad_accum_iter:n * grad_accum_iter]
+        model_s = sum(s for s, _ in mb)
+        flops = sum(flops_of([tuple(x) for x in samples]) for _, samples in mb)
+        wall = iters[n][0]
+        steps.append({"step": n, "s": wall, "loss": iters[n][1], "model_s": round(model_s, 2),
+                      "loader_wait_s": round(wall - model_s, 2), "s_per_micro_batch": round(wall / len(mb), 4),
+                      "model_median_s": statistics.median(s for s, _ in mb[:-1]),
+                      "optimizer_micro_batch_s": mb[-1][0],
+                      "tflop_per_micro_batch": round(flops / len(mb) / 1e12, 1),
+                      "mfu_model": round(flops / model_s / (peak_tflops * 1e12), 4),
+                      "mfu_wall": round(flops / wall / (peak_tflops * 1e12), 4)})
+    peak = PEAK.findall(text)
+    return {"grad_accum_iter": grad_accum_iter, "peak_tflops": peak_tflops, "steps": steps,
+            "peak_gib": {"allocated": float(peak[-1][0]), "reserved": float(peak[-1][1])} if peak else None,
+            "micro_batch_s": [s for s, _ in micro]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("log", type=Path)
+    ap.add_argument("--json", type=Path, help="write the summary here too")
+    ap.add_argument("--grad-accum-iter", type=int, default=61, help="micro-batches per optimizer step (default 61)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    a = ap.parse_args(argv)
+    if a.grad_accum_iter < 1 or not a.peak_tflops > 0:
+        print("error: --grad-accum-iter must be >= 1 and --peak-tflops > 0", file=sys.stderr)
+        return 2
+    if not a.log.is_file():
+        print(f"error: {a.log} is not a file: pass the log run_upstream.sh wrote (LOG=...)", file=sys.stderr)
+        return 2
+    s = summarise(a.log.read_text(errors="replace"), a.grad_accum_iter, a.peak_tflops)
+    if not s["micro_batch_s"]:
+        print(f"error: {a.log} holds no timed micro-batch: run with ONECARD_MEMCAP_STEPS=1", file=sys.stderr)
+        return 2
+    for st in s["steps"]:
+        print(f"step {st['step']}: {st['s']:.2f} s (loss {st['loss']}), model {st['model_s']:.2f} s, loader wait "
+              f"{st['loader_wait_s']:.2f} s, {st['s_per_micro_batch']:.3f} s per micro-batch, model median "
+              f"{st['model_median_s']:.3f} s, MFU {st['mfu_model']:.1%} (model) / {st['mfu_wall']:.1%} (wall)")
+    if a.json:
+        a.json.write_text(json.dumps(s, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
