@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from patches.core.host_arena import HostArena
+from patches.core.io import alias_bytes
 from patches.core.runtime import as_dtensor, shard_of, to_local
 
 _STRIP = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -83,6 +84,10 @@ def _lerp_(targets: list[torch.Tensor], sources: list[torch.Tensor], beta: float
 
 
 # ------------------------------------------------------------------------------------------ placements
+
+def _host_fp32(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32
+
 class Placement:
     """Where an :class:`EMA`'s fp32 shadow lives and how it is updated (one per ``placement`` name).
 
@@ -430,12 +435,18 @@ class EMA:
         """
         return {"num_updates": self.num_updates, "shadow": self._entries(full=False)}
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """:meth:`state_dict` with sharded entries gathered into full tensors (a collective: call on every rank)."""
-        return {"num_updates": self.num_updates, "shadow": self._entries(full=True)}
+    def full_state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """:meth:`state_dict` with sharded entries gathered into full tensors (a collective: call on every rank).
+
+        ``copy=False`` (world size 1, for a save): fp32 host tensors are not copied: the shadow's own buffers, and an
+        untracked entry (the net's fp32 host value) as a new tensor over the same bytes
+        (:func:`patches.core.io.alias_bytes`), so a file saved from it holds separate ``net.<k>`` and
+        ``net_ema.<k>`` as before; anything else is copied to the host in fp32 as with ``copy=True``.
+        """
+        return {"num_updates": self.num_updates, "shadow": self._entries(full=True, copy=copy)}
 
     @torch.no_grad()
-    def _entries(self, full: bool) -> dict[str, torch.Tensor]:
+    def _entries(self, full: bool, copy: bool = True) -> dict[str, torch.Tensor]:
         self.synchronize()
         ema = dict(zip(self.canonical, zip(self.shadow, self._meta)))
         out: dict[str, torch.Tensor] = {}
@@ -443,7 +454,9 @@ class EMA:
             ck = canonical_name(k)
             if ck in ema:
                 buf, (mesh, placements, shape, stride) = ema[ck]
-                if full and mesh is not None:
+                if not copy and _host_fp32(buf) and tuple(buf.shape) == tuple(shape):  # world size 1: the whole tensor
+                    out[ck] = buf.detach()
+                elif full and mesh is not None:
                     # the global shape and stride, so uneven shards (7 rows on 2 ranks, 1 row on 2) gather right
                     out[ck] = as_dtensor(buf, mesh, placements, shape, stride).full_tensor().cpu()
                 else:
@@ -452,7 +465,11 @@ class EMA:
                 if full and hasattr(v, "full_tensor"):
                     v = v.full_tensor()
                 v = to_local(v).detach()
-                out[ck] = v.to("cpu", torch.float32, copy=True) if v.is_floating_point() else v.to("cpu", copy=True)
+                if not copy and _host_fp32(v):
+                    out[ck] = alias_bytes(v)
+                else:
+                    out[ck] = (v.to("cpu", torch.float32, copy=True) if v.is_floating_point()
+                               else v.to("cpu", copy=True))
         return out
 
     @torch.no_grad()

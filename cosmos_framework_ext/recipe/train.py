@@ -45,7 +45,7 @@ import torch
 from patches.core import flags as flagmod
 from patches.core import preflight as pf
 from patches.core import trainer as skeleton
-from patches.core.checkpoint import CheckpointManager, gather_full_state, load_full_state
+from patches.core.checkpoint import CheckpointManager, gather_full_state, load_full_state, local_state
 from patches.core.lock import check_unlocked
 from patches.core.errors import ArgumentParser, UserError, cli
 from patches.core.host_arena import pinned_bytes_total
@@ -718,7 +718,9 @@ class CosmosSFT(skeleton.Recipe):
         :meth:`training_settings`).
         """
         with self.mem.phase("checkpoint"):
-            net, optim = gather_full_state(self.model, self.opt)
+            # one rank: the live tensors, copied to the host one at a time as the file is written (no second whole
+            # copy of net, EMA and optimizer in host memory); several ranks gather full copies
+            net, optim = local_state(self.model, self.opt) if self.world == 1 else gather_full_state(self.model, self.opt)
             trained = set(self.trainable)
             bad = [k for k, v in net.items() if canonical_name(k) in trained and not bool(torch.isfinite(v).all())]
             if bad:  # every rank holds the same full tensors, so every rank stops here alike
@@ -727,7 +729,8 @@ class CosmosSFT(skeleton.Recipe):
                                 "written (the previous one is kept); lower [optimizer].lr or [onecard].loss_scale, or "
                                 "set [trainer.callbacks.grad_clip] force_finite = true")
             model = {f"net.{canonical_name(k)}": v for k, v in net.items()}
-            ema = self.ema.full_state_dict() if self.ema is not None else {"num_updates": 0, "shadow": {}}
+            ema = (self.ema.full_state_dict(copy=self.world > 1) if self.ema is not None
+                   else {"num_updates": 0, "shadow": {}})
             model.update({f"net_ema.{k}": v for k, v in ema["shadow"].items()})
             return {
                 "model": model,

@@ -178,6 +178,39 @@ def gather_full_state(model: Any, optimizer: Any = None, *,
     return net, _to_cpu(get_optimizer_state_dict(model, optimizer, options=options))
 
 
+def local_state(model: Any, optimizer: Any = None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """At world size 1, what :func:`gather_full_state` gives there, as the live tensors rather than host copies.
+
+    ``model.state_dict()`` (DTensors as their local tensor: the whole tensor at one rank) and ``optimizer``'s state
+    keyed by parameter name (torch's ``get_optimizer_state_dict``, not gathered), each tensor where it lives, GPU or
+    host. Saved through :func:`patches.core.io.atomic_torch_save`, the file is the same (every tensor written as a CPU
+    tensor) while the host holds at most one tensor's copy at a time. Read-only use: the tensors are the training
+    state itself.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    from .runtime import to_local
+
+    net = {k: to_local(v).detach() for k, v in model.state_dict().items()}
+    if optimizer is None:
+        return net, None
+    return net, _locals(get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False)))
+
+
+def _locals(obj: Any) -> Any:
+    import torch
+
+    from .runtime import to_local
+
+    if torch.is_tensor(obj):
+        return to_local(obj).detach()
+    if isinstance(obj, dict):
+        return {k: _locals(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_locals(v) for v in obj)
+    return obj
+
+
 def load_full_state(model: Any, net: dict[str, Any], optimizer: Any = None, optim: dict[str, Any] | None = None) -> None:
     """Load full tensors (what :func:`gather_full_state` gives) into a model that may be FSDP2-sharded.
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
@@ -134,11 +135,52 @@ def _alias_own_bytes(t: Any) -> Any:
     return alias.view(t.dtype) if stand_in else alias
 
 
+def alias_bytes(t: Any) -> Any:
+    """A tensor over the same bytes as ``t`` but with a storage object of its own (no copy where ``t`` is a contiguous
+    CPU tensor; otherwise a copy). ``torch.save`` writes it as a separate entry, so a file that holds the same values
+    under two keys loads them into two tensors that do not share memory, as two copies would."""
+    return _alias_own_bytes(t)
+
+
+_SAVE = threading.local()
+
+
+def _cpu_tag(storage: Any) -> str | None:
+    """``torch.serialization`` location tagger, active only inside :func:`atomic_torch_save`: every storage is tagged
+    ``"cpu"`` (torch.save copies a GPU storage to the host one at a time as it writes it)."""
+    if getattr(_SAVE, "active", False) and getattr(storage, "device", None) is not None:
+        return "cpu"
+    return None
+
+
+def _no_restore(storage: Any, location: str) -> None:
+    return None  # loading is left to torch's own deserializers
+
+
+_TAGGER: list[bool] = []
+
+
 def atomic_torch_save(obj: Any, path: str | Path) -> Path:
-    """``torch.save(obj, path)`` atomically, each tensor saved with only its own elements (:func:`own_storage`)."""
+    """``torch.save(obj, path)`` atomically, each tensor saved with only its own elements (:func:`own_storage`).
+
+    A tensor on the GPU is written as a CPU tensor: the file is what saving its ``.cpu()`` copy writes and loads on a
+    machine without a GPU, but torch.save copies it to the host only when it writes it, one storage at a time, so the
+    save never holds a second copy of the whole state in host memory.
+    """
     import torch
 
-    return atomic_write(path, lambda p: torch.save(own_storage(obj), p))
+    if not _TAGGER:
+        torch.serialization.register_package(0, _cpu_tag, _no_restore)
+        _TAGGER.append(True)
+
+    def write(p: Path) -> None:
+        _SAVE.active = True
+        try:
+            torch.save(own_storage(obj), p)
+        finally:
+            _SAVE.active = False
+
+    return atomic_write(path, write)
 
 
 def _file_backed_spans() -> list[tuple[int, int]]:
