@@ -381,13 +381,14 @@ def test_check_refuses_a_root_that_is_not_a_checkout(tmp_path, var):
     assert _tree(tmp_path) == set()
 
 
-@pytest.mark.parametrize("setting", ["folder-is-a-file", "check-not-a-boolean"])
+@pytest.mark.parametrize("setting", ["folder-is-a-file", "check-not-a-boolean", "decode-not-a-boolean"])
 def test_check_refuses_a_bad_latent_cache_setting_before_upstream_starts(tmp_path, setting):
     """The launcher's upstream branch runs ``patches check`` first: a latent cache folder that is a file, or a check
-    switch that is not a boolean, is one line there (not a traceback inside upstream's model init)."""
+    or decode switch that is not a boolean, is one line there (not a traceback inside upstream's model init)."""
     (tmp_path / "f").write_text("")
+    switch = "ONECARD_LATENT_CACHE_CHECK" if setting == "check-not-a-boolean" else "ONECARD_LATENT_CACHE_DECODE"
     extra = ({"ONECARD_LATENT_CACHE": str(tmp_path / "f")} if setting == "folder-is-a-file" else
-             {"ONECARD_LATENT_CACHE": str(tmp_path / "c"), "ONECARD_LATENT_CACHE_CHECK": "maybe"})
+             {"ONECARD_LATENT_CACHE": str(tmp_path / "c"), switch: "maybe"})
     _one_error(run_main("patches.__main__", ["check"], _env(COSMOS_LATENT_CACHE="1", **extra), REPO),
                "ONECARD_LATENT_CACHE")
     assert _tree(tmp_path) == {"f"}
