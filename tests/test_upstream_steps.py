@@ -43,9 +43,14 @@ def test_cli_prints_writes_json_and_refuses_bad_input(tmp_path, capsys):
     assert steps.main([str(log), "--grad-accum-iter", "2", "--json", str(tmp_path / "s.json")]) == 0
     assert "step 2: 3.00 s" in capsys.readouterr().out and json.loads((tmp_path / "s.json").read_text())["steps"]
     for argv, what in (([str(tmp_path / "none.log")], "is not a file"), ([str(log), "--grad-accum-iter", "0"], ">= 1"),
-                       ([str(log), "--peak-tflops", "nan"], "> 0")):
-        assert steps.main(argv) == 2
+                       ([str(log), "--peak-tflops", "nan"], "--peak-tflops nan"),
+                       ([str(log), "--grad-accum-iter", "nan"], "invalid"), ([], "required: log")):
+        try:
+            code = steps.main(argv)
+        except SystemExit as e:  # argparse's own refusals exit through the parser
+            code = e.code
         err = capsys.readouterr().err
+        assert code == 2, argv
         assert err.startswith("error:") and what in err and err.count("\n") == 1
     empty = tmp_path / "empty.log"
     empty.write_text("Iteration 2: | Loss: 1.0 | Time: 3.00s\n")

@@ -38,7 +38,7 @@ if [[ $# -gt 0 ]]; then files=("$@"); else
     model/generator/mot/unified_mot_test.py model/generator/mot/context_parallel_test.py \
     model/attention/utils/backend_filter_test.py model/attention/utils/determinism_test.py \
     model/attention/utils/version_test.py model/attention/utils/safe_ops/safe_lru_cache_test.py \
-    model/generator/distillation/optimizer_test.py; do
+    model/generator/distillation/optimizer_test.py data/generator/local_datasets/sft_dataset_caption_test.py; do
     if [[ -f "$root/cosmos_framework/$f" ]]; then files+=("cosmos_framework/$f"); fi
   done
 fi

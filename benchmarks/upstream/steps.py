@@ -16,7 +16,6 @@ Exit status 2 with one ``error:`` line when the log does not exist or holds no t
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -68,22 +67,32 @@ def summarise(text: str, grad_accum_iter: int, peak_tflops: float, flops_of=None
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("log", type=Path)
-    ap.add_argument("--json", type=Path, help="write the summary here too")
-    ap.add_argument("--grad-accum-iter", type=int, default=61, help="micro-batches per optimizer step (default 61)")
-    ap.add_argument("--peak-tflops", type=float, default=989.0)
+    """The command line (module docstring); bad input: one ``error:`` line, exit 2."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from patches.core.errors import cli
+
+    return cli(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    from benchmarks.checks import at_least, positive
+    from patches.core.errors import ArgumentParser, UserError
+
+    ap = ArgumentParser(prog="steps.py", description=__doc__.split("\n")[0])
+    ap.add_argument("log", type=Path, help="the log run_upstream.sh wrote (its LOG), from a run with ONECARD_MEMCAP_STEPS=1")
+    ap.add_argument("--json", type=Path, help="also write the summary here")
+    ap.add_argument("--grad-accum-iter", type=int, default=61,
+                    help="micro-batches per optimizer step, as the run's recipe sets it (default 61)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="the card's dense bf16 peak in TFLOP/s, for MFU (default 989: H100/H200 datasheet)")
     a = ap.parse_args(argv)
-    if a.grad_accum_iter < 1 or not a.peak_tflops > 0:
-        print("error: --grad-accum-iter must be >= 1 and --peak-tflops > 0", file=sys.stderr)
-        return 2
+    at_least("--grad-accum-iter", a.grad_accum_iter, 1, "micro-batches per optimizer step")
+    positive("--peak-tflops", a.peak_tflops, "TFLOP/s")
     if not a.log.is_file():
-        print(f"error: {a.log} is not a file: pass the log run_upstream.sh wrote (LOG=...)", file=sys.stderr)
-        return 2
+        raise UserError(f"{a.log} is not a file: pass the log run_upstream.sh wrote (LOG=...)")
     s = summarise(a.log.read_text(errors="replace"), a.grad_accum_iter, a.peak_tflops)
     if not s["micro_batch_s"]:
-        print(f"error: {a.log} holds no timed micro-batch: run with ONECARD_MEMCAP_STEPS=1", file=sys.stderr)
-        return 2
+        raise UserError(f"{a.log} holds no timed micro-batch: run the harness with ONECARD_MEMCAP_STEPS=1")
     for st in s["steps"]:
         print(f"step {st['step']}: {st['s']:.2f} s (loss {st['loss']}), model {st['model_s']:.2f} s, loader wait "
               f"{st['loader_wait_s']:.2f} s, {st['s_per_micro_batch']:.3f} s per micro-batch, model median "
