@@ -27,7 +27,8 @@ Configurations 4 and 5 need the trainer's packed-attention setting (``[onecard] 
 **Reported per configuration:** median s per micro-batch and per optimizer step (steps after the first),
 s per sample (measured micro-batch time / samples), peak allocated and reserved GiB, the ledger's prediction,
 model FLOPs utilisation, the latent cache's pre-pass (s, hits, misses, bytes; **not** part of any step time),
-the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS and pinned bytes, and the
+the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS (the run's peak, and the peak
+through its final checkpoint save with what the save adds: :func:`save_host`) and pinned bytes, and the
 change of s/sample against configuration 1. A configuration that runs out of memory is reported as such
 with the peak it reached. Writes ``<date>_cosmos_<gpu>_edge24gb.json`` and ``.md`` (the results' naming scheme,
 ``benchmarks/checks.py:result_stem``; and the ``--timelines`` as ``<stem>-<config>-memory.{csv,png}``) into ``--out``
@@ -212,6 +213,22 @@ def attention_place() -> tuple[str, str] | None:
     return None
 
 
+def save_host(s: dict) -> dict:
+    """The host memory of the run's final checkpoint save, from its summary's memory phases: ``host_rss_save_gib`` (peak
+    in the ``checkpoint`` phase), ``host_rss_train_gib`` (peak in every other phase), ``save_adds_host_gib`` (the
+    difference), and ``checkpoint_gb`` (the file's size, GB; the file is then deleted)."""
+    phases = (s.get("memory") or {}).get("phases") or {}
+    save = (phases.get("checkpoint") or {}).get("host_rss_bytes")
+    train = max((v.get("host_rss_bytes") or 0 for k, v in phases.items() if k != "checkpoint"), default=0)
+    out = {"host_rss_save_gib": save / GiB if save else None, "host_rss_train_gib": train / GiB if train else None,
+           "save_adds_host_gib": (save - train) / GiB if save and train else None, "checkpoint_gb": None}
+    ckpt = Path(s["checkpoint"]) if s.get("checkpoint") else None
+    if ckpt is not None and ckpt.is_file():
+        out["checkpoint_gb"] = ckpt.stat().st_size / 1e9
+        ckpt.unlink()  # six rows of edge checkpoints do not fit a 64 GiB disk
+    return out
+
+
 def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path) -> Path:
     """``edge_24gb.toml`` with this configuration's grad_accum_iter, compile and attention settings (and the same
     values for the CPU smoke's ``cpu_*`` keys)."""
@@ -273,7 +290,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp)
-    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--max-iter", str(args.steps), "--no-save"]))
+    # the final checkpoint is written (and deleted after the row): the row's host peak is through a save
+    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--max-iter", str(args.steps)]))
     t0 = time.perf_counter()
     try:
         s = skeleton.run(recipe)
@@ -304,6 +322,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         prepass=None if not cache else {k: cache[k] for k in ("entries", "hits", "misses", "corrupt", "bytes_on_disk",
                                                              "encode_seconds")},
         peak_host_rss_gib=s["peak_host_rss_gib"], pinned_gib=s["pinned_bytes"] / GiB,
+        **save_host(s),
         samples_per_step=s["samples_per_optimizer_step"],
     )
     if flops_p is not None and times:
@@ -340,8 +359,8 @@ def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: s
             "in no step time.\n\n"
             "| config | status | median s/micro-batch | s/step | s/sample (vs stock) | peak alloc GiB | peak reserved GiB "
             "| ledger GiB (err) | model TFLOP/s | MFU | pre-pass s (hits/misses) | EMA crit. ms/step | "
-            "VAE park+unpark ms/micro-batch | host RSS GiB | pinned GiB |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "VAE park+unpark ms/micro-batch | host RSS GiB | host RSS through the save GiB (+ the save) | pinned GiB |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for r in rows:
         pred = f"{r['predicted_gpu_gib']:.2f} ({r['ledger_error_pct']:+.1f} %)" if r.get("ledger_error_pct") is not None else "–"
@@ -357,6 +376,7 @@ def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: s
                  f"{f(r.get('peak_gpu_reserved_gib'), '.2f')} | {pred} | {f(r.get('model_tflop_per_s'), '.1f')} | "
                  f"{mfu_s} | {pre_s} | {f(r.get('ema_critical_path_s'), '.1f', 1e3)} | "
                  f"{f(r.get('vae_park_unpark_s_per_micro_batch'), '.1f', 1e3)} | {f(r.get('peak_host_rss_gib'), '.1f')} | "
+                 f"{f(r.get('host_rss_save_gib'), '.1f')} ({f(r.get('save_adds_host_gib'), '+.2f')}) | "
                  f"{f(r.get('pinned_gib'), '.2f')} |\n")
     return head + body
 

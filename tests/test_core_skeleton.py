@@ -193,3 +193,43 @@ def test_a_diverging_run_says_so_once(tmp_path, capsys):
         assert trainer.divergence([2.0, 3.1]) is not None
     finally:
         trainer.DIVERGED_RATIO = real
+
+
+class _Scoped(ToyRecipe):
+    """Records, for each checkpoint written, whether the state and the file were both made inside ``save_scope``."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.inside, self.seen = False, []
+        real = self.checkpoints.save
+
+        def save(step, state):
+            self.seen.append(("file", self.inside))
+            return real(step, state)
+
+        self.checkpoints.save = save
+
+    def save_scope(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
+
+        return scope()
+
+    def state_dict(self):
+        self.seen.append(("state", self.inside))
+        return super().state_dict()
+
+
+def test_the_whole_save_runs_inside_the_recipes_save_scope(tmp_path):
+    """The state and the file of every checkpoint inside ``save_scope`` (the Cosmos recipe's memory phase, so its host
+    peak is the save's)."""
+    recipe = _Scoped(tmp_path, 2)
+    assert run_toy(recipe) == 0
+    assert recipe.seen == [("state", True), ("file", True)] * 2

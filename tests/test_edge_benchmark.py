@@ -52,10 +52,24 @@ def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, small_dataset)
     stock, cached = rows
     assert stock["prepass"] is None and cached["prepass"]["misses"] == cached["prepass"]["entries"] > 0
     assert cached["prepass_s"] > 0 and all(r["s_per_sample"] > 0 and r["model_tflop_per_s"] > 0 for r in rows)
+    assert all(r["host_rss_save_gib"] > 0 and r["checkpoint_gb"] > 0 for r in rows)  # each row saved once...
+    assert not list(tmp_path.rglob("iter_*.pt"))  # ...and deleted its checkpoint
     md = (tmp_path / f"{stem}.md").read_text()
-    assert "| + latent cache | ok |" in md and "s/sample" in md and "MFU" in md
+    assert "| + latent cache | ok |" in md and "s/sample" in md and "MFU" in md and "through the save" in md
     assert bench.main(["--smoke", "--grad-accum", "1", "--only", "nonesuch", "--out", str(tmp_path)]) == 2
     assert bench.main(["--grad-accum", "4", "--smoke", "--steps", "1", "--out", str(tmp_path)]) == 2
+
+
+def test_save_host_is_the_checkpoint_phase_above_the_rest(bench, tmp_path):
+    ckpt = tmp_path / "iter_000000003.pt"
+    ckpt.write_bytes(bytes(1000))
+    g = 1 << 30
+    s = {"memory": {"phases": {"checkpoint": {"host_rss_bytes": 5 * g}, "forward": {"host_rss_bytes": 3 * g},
+                               "optimizer": {"host_rss_bytes": 4 * g}}}, "checkpoint": str(ckpt)}
+    assert bench.save_host(s) == {"host_rss_save_gib": 5.0, "host_rss_train_gib": 4.0, "save_adds_host_gib": 1.0,
+                                  "checkpoint_gb": 1e-6}
+    assert not ckpt.exists()
+    assert bench.save_host({"memory": {"phases": {}}, "checkpoint": None})["save_adds_host_gib"] is None
 
 
 def test_compiled_configuration_turns_the_embedded_compile_on(bench, tmp_path):

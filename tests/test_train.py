@@ -142,6 +142,7 @@ def test_main_job_summary_and_checkpoint(env, capsys):
     # the memory timeline sits beside the checkpoints, with per-phase peaks in the summary
     assert Path(s["timeline"]["csv"]).is_file() and Path(s["timeline"]["png"]).is_file()
     assert {"encode", "forward", "backward", "optimizer", "ema"} <= set(s["memory"]["phases"])
+    assert s["memory"]["phases"]["checkpoint"]["host_rss_bytes"] > 0  # the whole save is the checkpoint phase
 
 
 def test_resume_continues_exactly(env, monkeypatch, capsys):

@@ -828,6 +828,10 @@ class CosmosSFT(skeleton.Recipe):
         ledger = getattr(self, "ledger", None)
         return ledger.checkpoint_bytes if ledger is not None else 0
 
+    def save_scope(self):
+        """The whole save (state and file) is the memory timeline's ``checkpoint`` phase: its host peak is the save's."""
+        return self.mem.phase("checkpoint")
+
     def save_due(self, done: int) -> bool:
         return not self.args.no_save and (done % self.cfg.checkpoint.save_iter == 0 or done == self.max_steps)
 

@@ -124,6 +124,10 @@ class Recipe(abc.ABC):
         """Whether to write a checkpoint after ``done`` steps (default: at the end only)."""
         return done == self.max_steps
 
+    def save_scope(self) -> contextlib.AbstractContextManager:
+        """Context around one whole save (the state and the file), e.g. a memory phase (default: nothing)."""
+        return contextlib.nullcontext()
+
     def saves_between(self, start: int, end: int) -> int:
         """How many checkpoints steps ``start + 1 .. end`` write (:meth:`save_due` counted; a recipe with a regular
         schedule overrides this with arithmetic, so that a huge step count costs nothing to check)."""
@@ -363,11 +367,13 @@ def loop(recipe: Recipe, start: int) -> tuple[list[StepResult], Path | None]:
                 _report(recipe, f"warning: {why} at {recipe.unit} {done}: the run is diverging (a learning rate far "
                                 "too high?); it goes on as configured")
             if recipe.save_due(done):
-                state = recipe.state_dict()  # every rank: gathering a sharded state is collective
-                state[settingsmod.KEY] = recipe.training_settings()
-                state[RECIPE_KEY] = recipe.recipe_name
                 try:
-                    saved = recipe.checkpoints.save(done, state)
+                    with recipe.save_scope():
+                        state = recipe.state_dict()  # every rank: gathering a sharded state is collective
+                        state[settingsmod.KEY] = recipe.training_settings()
+                        state[RECIPE_KEY] = recipe.recipe_name
+                        saved = recipe.checkpoints.save(done, state)
+                        del state
                 except (OSError, RuntimeError) as e:
                     full = _disk_full(e)
                     if not full and not isinstance(e, OSError):
