@@ -83,11 +83,12 @@ def _lerp_(targets: list[torch.Tensor], sources: list[torch.Tensor], beta: float
     torch._foreach_add_(targets, sources, alpha=1.0 - beta)
 
 
-# ------------------------------------------------------------------------------------------ placements
-
 def _host_fp32(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a float32 host tensor (saved as it is: nothing to convert or move)."""
     return t.device.type == "cpu" and t.dtype == torch.float32
 
+
+# ------------------------------------------------------------------------------------------ placements
 class Placement:
     """Where an :class:`EMA`'s fp32 shadow lives and how it is updated (one per ``placement`` name).
 

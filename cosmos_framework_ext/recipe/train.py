@@ -715,31 +715,30 @@ class CosmosSFT(skeleton.Recipe):
         At world size > 1 every rank gathers the full tensors (a collective) and rank 0 writes them, so a
         checkpoint holds whole tensors at any world size, keyed by name (the optimizer state too). A resume
         still needs the world size it was written at: the world size splits the data (see
-        :meth:`training_settings`).
+        :meth:`training_settings`). The skeleton calls it inside :meth:`save_scope` (the memory phase of the save).
         """
-        with self.mem.phase("checkpoint"):
-            # one rank: the live tensors, copied to the host one at a time as the file is written (no second whole
-            # copy of net, EMA and optimizer in host memory); several ranks gather full copies
-            net, optim = local_state(self.model, self.opt) if self.world == 1 else gather_full_state(self.model, self.opt)
-            trained = set(self.trainable)
-            bad = [k for k, v in net.items() if canonical_name(k) in trained and not bool(torch.isfinite(v).all())]
-            if bad:  # every rank holds the same full tensors, so every rank stops here alike
-                raise UserError(f"the trained weights hold NaN or inf after iteration {self.done} ({len(bad)} tensor(s), "
-                                f"e.g. net.{canonical_name(bad[0])}): the run diverged and this checkpoint is not "
-                                "written (the previous one is kept); lower [optimizer].lr or [onecard].loss_scale, or "
-                                "set [trainer.callbacks.grad_clip] force_finite = true")
-            model = {f"net.{canonical_name(k)}": v for k, v in net.items()}
-            ema = (self.ema.full_state_dict(copy=self.world > 1) if self.ema is not None
-                   else {"num_updates": 0, "shadow": {}})
-            model.update({f"net_ema.{k}": v for k, v in ema["shadow"].items()})
-            return {
-                "model": model,
-                "optimizer": optim,
-                "scheduler": self.sched.state_dict(),
-                "iteration": self.done,
-                "micro_batches_consumed": self.consumed,
-                "ema_num_updates": ema["num_updates"],
-            }
+        # one rank: the live tensors, copied to the host one at a time as the file is written (no second whole
+        # copy of net, EMA and optimizer in host memory); several ranks gather full copies
+        net, optim = local_state(self.model, self.opt) if self.world == 1 else gather_full_state(self.model, self.opt)
+        trained = set(self.trainable)
+        bad = [k for k, v in net.items() if canonical_name(k) in trained and not bool(torch.isfinite(v).all())]
+        if bad:  # every rank holds the same full tensors, so every rank stops here alike
+            raise UserError(f"the trained weights hold NaN or inf after iteration {self.done} ({len(bad)} tensor(s), "
+                            f"e.g. net.{canonical_name(bad[0])}): the run diverged and this checkpoint is not "
+                            "written (the previous one is kept); lower [optimizer].lr or [onecard].loss_scale, or "
+                            "set [trainer.callbacks.grad_clip] force_finite = true")
+        model = {f"net.{canonical_name(k)}": v for k, v in net.items()}
+        ema = (self.ema.full_state_dict(copy=self.world > 1) if self.ema is not None
+               else {"num_updates": 0, "shadow": {}})
+        model.update({f"net_ema.{k}": v for k, v in ema["shadow"].items()})
+        return {
+            "model": model,
+            "optimizer": optim,
+            "scheduler": self.sched.state_dict(),
+            "iteration": self.done,
+            "micro_batches_consumed": self.consumed,
+            "ema_num_updates": ema["num_updates"],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> int:
         """Resume the same job: net, EMA (with its counter), optimizer, schedule and data position.

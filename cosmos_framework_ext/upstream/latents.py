@@ -22,6 +22,13 @@ back, ``torch.equal`` (dtype float32, shape, values) to the online encode:
   host (it is parked there as :mod:`~cosmos_framework_ext.upstream.patches` lever 2 parks it; this flag turns that
   parking on too). ``ONECARD_LATENT_CACHE_CHECK=1`` also encodes every hit online and stops with one error line if
   the two differ (a check run, at the online encode's speed).
+- **Cached clips are not decoded** (:class:`DecodeFree`, off with ``ONECARD_LATENT_CACHE_DECODE=1`` and in the
+  check run): the trainer process exports the VAE fingerprint (:data:`PLAN_ENV`) when upstream sets up the VAE,
+  before the loader's workers start. A worker runs ``process_one_sample`` first with the decoder yielding zero frames
+  and ffprobe's stored answer; a window found in the index (its :func:`source_key`: the source's bytes, scale,
+  identity, decoder) keeps those zeros and the indexed sample key; otherwise the RNG states are put back and upstream
+  decodes as stock. Readers of the pixels get them decoded again (:func:`decode_cached`: upstream's sample-drawing
+  callback, and a cached sample whose latent file has gone).
 - **Pre-pass** (``ImaginaireTrainer.train``, before upstream's loop): every ``(row, window)`` of the SFT dataset the
   loader wraps is run once through upstream's own ``process_one_sample``, ``custom_collate_fn``, the packing loader's
   split and merge, and ``get_data_and_condition`` -- the online path, so its misses fill the cache. The Python,
@@ -227,27 +234,33 @@ class DecodeFree:
     def __init__(self, root: str | Path, vae: dict[str, str]):
         self.root = str(root)
         self.vae = dict(vae)
+        self.store = LatentStore(root, fix="set ONECARD_LATENT_CACHE to another folder")
+        self._recorded: set[str] = set()  # sources this process has indexed (one file check each, not per micro-batch)
 
     def index_key(self, source: str):
         return make_key({"format": FORMAT + "-index", "source": source, "vae": self.vae})
 
     def lookup(self, source: str) -> tuple[str, str] | None:
         """``(sample key, latent entry digest)`` of a cached window whose latent file is present, else ``None``."""
-        store = LatentStore(self.root)
+        store = self.store
         try:
             tensors, _ = store.load(self.index_key(source))
             sample, latent = (bytes(tensors[n].tolist()).hex() for n in ("sample", "latent"))
         except (FileNotFoundError, CorruptEntry, KeyError, ValueError):
             return None
-        return (sample, latent) if latent_path(store, latent).is_file() else None
+        return (sample, latent) if store.entry_path(latent).is_file() else None
+
+    def recorded(self, source: str) -> bool:
+        """Whether this process has already indexed ``source``."""
+        return source in self._recorded
 
     def record(self, source: str, sample: str, latent: str) -> None:
-        """Write the index entry (once)."""
-        store = LatentStore(self.root, fix="set ONECARD_LATENT_CACHE to another folder")
+        """Write the index entry (once: an existing entry is kept)."""
         key = self.index_key(source)
-        if not store.path(key).is_file():
-            store.store(key, {n: torch.tensor(list(bytes.fromhex(v)), dtype=torch.uint8)
+        if not self.store.path(key).is_file():
+            self.store.store(key, {n: torch.tensor(list(bytes.fromhex(v)), dtype=torch.uint8)
                               for n, v in (("sample", sample), ("latent", latent))})
+        self._recorded.add(source)
 
 
 PLAN_ENV = "ONECARD_LATENT_CACHE_PLAN"
@@ -279,10 +292,6 @@ def current_plan() -> DecodeFree | None:
     return _PLANS[raw]
 
 
-def latent_path(store: LatentStore, digest: str) -> Path:
-    return store.root / digest[:2] / f"{digest}.safetensors"
-
-
 SOURCE_KEY = "onecard_source_key"
 """The sample field (hex): :func:`source_key` of a decoded sample, ``""`` where the decode was not probed."""
 PIXELS = "onecard_pixels"
@@ -309,7 +318,7 @@ def _set_rng(states: tuple[Any, Any]) -> None:
 
 def _call(original: Callable[..., Any], self: Any, metadata: dict, speculate: bool,
           plan: DecodeFree | None = None) -> tuple[Any, _Probe]:
-    probe = _Probe(speculate, LatentStore(plan.root) if plan is not None else None)
+    probe = _Probe(speculate, plan.store if plan is not None else None)
     token = _PROBE.set(probe)
     try:
         return original(self, metadata), probe
@@ -432,8 +441,8 @@ def batch_keys(data_batch: dict[str, Any]) -> list[str] | None:
         if not isinstance(v, torch.Tensor) or v.dtype != torch.uint8:
             return None
         items.append(v)
-    keys = data_batch.get(SAMPLE_KEY)
-    if isinstance(keys, list) and len(keys) == len(items) and all(isinstance(k, str) for k in keys):
+    keys = _field(data_batch, SAMPLE_KEY, len(items))
+    if keys is not None:
         return keys
     try:
         return [sample_key({k: data_batch[k][i] for k in _IDENTITY}, items[i]) for i in range(len(items))]
@@ -472,7 +481,8 @@ class UpstreamLatentCache:
         self.check = bool(LATENT_CACHE_CHECK.value())
         """``ONECARD_LATENT_CACHE_CHECK``: compare every hit with upstream's online encode (:meth:`verify`)."""
         self.decode_free: DecodeFree | None = None
-        """Set by the pre-pass unless ``ONECARD_LATENT_CACHE_DECODE`` or the check run asks every clip decoded."""
+        """Set by :func:`start_decode_free` (when upstream sets up the VAE) unless ``ONECARD_LATENT_CACHE_DECODE`` or
+        the check run asks every clip decoded."""
 
     def fingerprint(self) -> dict[str, str]:
         """What besides its input decides upstream's encode (computed once; reads every VAE weight)."""
@@ -575,7 +585,7 @@ def patched_encode_vision_x0_tokens(original: Callable[..., Any]) -> Callable[..
         sources = getattr(self, "_onecard_batch_sources", None)
         if cache.decode_free is not None and sources is not None:
             for i, item in enumerate(raw_state_vision):
-                if sources[i] and pixels[i] == "decoded":
+                if sources[i] and pixels[i] == "decoded" and not cache.decode_free.recorded(sources[i]):
                     cache.decode_free.record(sources[i], keys[i], cache.key(keys[i], item).digest)
         cache.batches += 1
         if cache.batches in (1, 10) or cache.batches % 100 == 0:
@@ -597,7 +607,7 @@ def serving(self, data_batch: dict[str, Any]) -> contextlib.AbstractContextManag
         cached = cached_samples(data_batch) if keys is not None else []
         cache: UpstreamLatentCache | None = getattr(self, "_onecard_latents", None)
         if cached and cache is not None:
-            gone = [i for i in cached if not latent_path(cache.store, data_batch[LATENT_FILE][i]).is_file()]
+            gone = [i for i in cached if not cache.store.entry_path(data_batch[LATENT_FILE][i]).is_file()]
             if gone:
                 log.warning("onecard: latent cache: %d not-decoded clips lost their latent file; decoding them",
                             len(gone))
@@ -649,18 +659,15 @@ def windows(dataset: Any) -> list[dict]:
 @contextlib.contextmanager
 def rng_preserved() -> Iterator[None]:
     """Restore Python's, NumPy's and torch's (CPU and CUDA) RNG states on exit."""
-    import numpy as np
-
-    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    host = _rng_states()
+    states = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     try:
         yield
     finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if states[3] is not None:
-            torch.cuda.set_rng_state_all(states[3])
+        _set_rng(host)
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state_all(states[1])
 
 
 def pack_one(sample: dict) -> dict:

@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from .io import TMP_MARK, atomic_torch_save, atomic_write_text
+from .io import TMP_MARK, atomic_torch_save, atomic_write_text, map_tensors
 
 MARKER = "latest_checkpoint.txt"
 """File naming the newest checkpoint."""
@@ -194,21 +194,9 @@ def local_state(model: Any, optimizer: Any = None) -> tuple[dict[str, Any], dict
     net = {k: to_local(v).detach() for k, v in model.state_dict().items()}
     if optimizer is None:
         return net, None
-    return net, _locals(get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=False)))
-
-
-def _locals(obj: Any) -> Any:
-    import torch
-
-    from .runtime import to_local
-
-    if torch.is_tensor(obj):
-        return to_local(obj).detach()
-    if isinstance(obj, dict):
-        return {k: _locals(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_locals(v) for v in obj)
-    return obj
+    options = StateDictOptions(full_state_dict=False)
+    return net, map_tensors(get_optimizer_state_dict(model, optimizer, options=options),
+                            lambda t: to_local(t).detach())
 
 
 def load_full_state(model: Any, net: dict[str, Any], optimizer: Any = None, optim: dict[str, Any] | None = None) -> None:
@@ -260,12 +248,4 @@ def load_full_state(model: Any, net: dict[str, Any], optimizer: Any = None, opti
 
 
 def _to_cpu(obj: Any) -> Any:
-    import torch
-
-    if torch.is_tensor(obj):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
+    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))

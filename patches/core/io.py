@@ -8,6 +8,7 @@ file is removed and the destination is untouched.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -102,26 +103,38 @@ def own_storage(obj: Any) -> Any:
     """
     import torch
 
-    if torch.is_tensor(obj):
-        t = obj.detach()
+    def own(tensor: Any) -> Any:
+        t = tensor.detach()
         if t.layout != torch.strided or t.is_nested:  # sparse / nested: no one storage; torch.save writes their parts
-            return obj
+            return tensor
         if not (t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
-            return obj
-        return _alias_own_bytes(t)
+            return tensor
+        return alias_bytes(t)
+
+    return map_tensors(obj, own)
+
+
+def map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` (tensors inside dicts, lists and tuples, rebuilt) with ``fn`` applied to every tensor; other values as
+    they are."""
+    import torch
+
+    if torch.is_tensor(obj):
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: own_storage(v) for k, v in obj.items()}
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(own_storage(v) for v in obj)
+        return type(obj)(map_tensors(v, fn) for v in obj)
     return obj
 
 
 _NUMPY_STAND_IN = {"bfloat16": "int16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
-def _alias_own_bytes(t: Any) -> Any:
-    """A tensor equal to ``t`` whose storage is exactly ``t``'s elements: the same bytes where ``t`` is a
-    contiguous CPU tensor, else a copy."""
+def alias_bytes(t: Any) -> Any:
+    """A tensor equal to ``t`` with a storage object of its own holding exactly ``t``'s elements: the same bytes (no
+    copy) where ``t`` is a contiguous CPU tensor, else a copy. ``torch.save`` writes it as an entry of its own, so a
+    file that holds the same values under two keys loads them into two tensors that do not share memory."""
     import torch
 
     if t.device.type != "cpu" or not t.is_contiguous() or t.is_quantized:
@@ -133,13 +146,6 @@ def _alias_own_bytes(t: Any) -> Any:
     except (TypeError, RuntimeError):  # a dtype numpy cannot hold (complex32, uint16 on old numpy, ...)
         return t.clone()
     return alias.view(t.dtype) if stand_in else alias
-
-
-def alias_bytes(t: Any) -> Any:
-    """A tensor over the same bytes as ``t`` but with a storage object of its own (no copy where ``t`` is a contiguous
-    CPU tensor; otherwise a copy). ``torch.save`` writes it as a separate entry, so a file that holds the same values
-    under two keys loads them into two tensors that do not share memory, as two copies would."""
-    return _alias_own_bytes(t)
 
 
 _SAVE = threading.local()
@@ -157,7 +163,12 @@ def _no_restore(storage: Any, location: str) -> None:
     return None  # loading is left to torch's own deserializers
 
 
-_TAGGER: list[bool] = []
+@functools.cache
+def _register_cpu_tag() -> None:
+    """Register :func:`_cpu_tag` with ``torch.serialization`` (once per process)."""
+    import torch
+
+    torch.serialization.register_package(0, _cpu_tag, _no_restore)
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> Path:
@@ -169,9 +180,7 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     """
     import torch
 
-    if not _TAGGER:
-        torch.serialization.register_package(0, _cpu_tag, _no_restore)
-        _TAGGER.append(True)
+    _register_cpu_tag()
 
     def write(p: Path) -> None:
         _SAVE.active = True

@@ -407,7 +407,7 @@ def test_a_changed_source_is_decoded_and_a_lost_latent_is_decoded_again(decode_f
     assert all(torch.equal(s["video"], g["video"]) for s, g in zip(stock[::2], got[::2]))
     assert rng[0] == stock_rng[0] and np.array_equal(rng[1], stock_rng[1])
     b = pack(got[1])
-    L.latent_path(f.model._onecard_latents.store, b[L.LATENT_FILE][0]).unlink()
+    f.model._onecard_latents.store.entry_path(b[L.LATENT_FILE][0]).unlink()
     vae = f.model.tokenizer_vision_gen.model.model
     assert same(encode_batch(f.model, b), [encode_ref(vae, x, True) for x in normalised([stock[1]["video"]])])
     assert b[L.PIXELS] == ["decoded"]
@@ -488,7 +488,7 @@ def test_every_decode_free_key_part_misses(decode_free, tmp_path, monkeypatch):
     assert [g[L.PIXELS] for g in got] == ["cached", "decoded", "cached", "decoded"]
     assert all(s["n_orig_video_frames"] == g["n_orig_video_frames"] for s, g in zip(stock, got))
     for g in got[::2]:
-        L.latent_path(f.model._onecard_latents.store, g[L.LATENT_FILE]).unlink(missing_ok=True)
+        f.model._onecard_latents.store.entry_path(g[L.LATENT_FILE]).unlink(missing_ok=True)
     assert {g[L.PIXELS] for g in draw(f.ds, n=4)[0]} == {"decoded"}
 
 
@@ -506,7 +506,7 @@ def test_a_cached_sample_whose_source_changed_is_not_served_blind(decode_free, t
     with pytest.raises(LatentCacheError, match="no longer decodes to the pixels"):
         L.decode_cached(pack(got[0]))
     b = pack(got[1])
-    lat = L.latent_path(f.model._onecard_latents.store, b[L.LATENT_FILE][0])
+    lat = f.model._onecard_latents.store.entry_path(b[L.LATENT_FILE][0])
     lat.write_bytes(lat.read_bytes()[:-8] + bytes(8))
     with pytest.raises(LatentCacheError, match="not-decoded sample"):
         encode_batch(f.model, b)

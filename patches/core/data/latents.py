@@ -161,7 +161,11 @@ class LatentStore:
 
     def path(self, key: EntryKey) -> Path:
         """``<root>/<digest[:2]>/<digest>.safetensors``."""
-        return self.root / key.digest[:2] / f"{key.digest}.safetensors"
+        return self.entry_path(key.digest)
+
+    def entry_path(self, digest: str) -> Path:
+        """The file of the entry whose key has SHA-256 ``digest`` (hex), as :meth:`path` names it."""
+        return self.root / digest[:2] / f"{digest}.safetensors"
 
     def load(self, key: EntryKey) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The entry's tensors (CPU) and metadata, verified against ``key`` and the stored checksum.
