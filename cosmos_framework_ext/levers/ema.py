@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -44,6 +45,7 @@ from torch import nn
 
 from patches.core.host_arena import HostArena
 from patches.core.io import alias_bytes
+from patches.core.streamsave import Deferred
 from patches.core.runtime import as_dtensor, shard_of, to_local
 
 _STRIP = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -81,6 +83,12 @@ def _lerp_(targets: list[torch.Tensor], sources: list[torch.Tensor], beta: float
     """The stock update, in place: ``targets = targets * beta + sources * (1 - beta)`` (fp32 targets)."""
     torch._foreach_mul_(targets, beta)
     torch._foreach_add_(targets, sources, alpha=1.0 - beta)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a new host tensor: float32 if floating, else in its own dtype (an EMA entry's saved form)."""
+    t = t.detach()
+    return t.to("cpu", torch.float32, copy=True) if t.is_floating_point() else t.to("cpu", copy=True)
 
 
 def _host_fp32(t: torch.Tensor) -> bool:
@@ -442,7 +450,10 @@ class EMA:
         ``copy=False`` (world size 1, for a save): fp32 host tensors are not copied: the shadow's own buffers, and an
         untracked entry (the net's fp32 host value) as a new tensor over the same bytes
         (:func:`patches.core.io.alias_bytes`), so a file saved from it holds separate ``net.<k>`` and
-        ``net_ema.<k>`` as before; anything else is copied to the host in fp32 as with ``copy=True``.
+        ``net_ema.<k>`` as before; anything else (a bf16 or GPU weight, a GPU shadow) is a
+        :class:`patches.core.streamsave.Deferred` that makes its fp32 host copy only as
+        :func:`patches.core.io.atomic_torch_save` writes it, so the save never holds all of them at once (7.25 GiB
+        for Cosmos3-Edge's frozen weights at bf16). Only for such a save: the entries are not tensors.
         """
         return {"num_updates": self.num_updates, "shadow": self._entries(full=True, copy=copy)}
 
@@ -457,6 +468,8 @@ class EMA:
                 buf, (mesh, placements, shape, stride) = ema[ck]
                 if not copy and _host_fp32(buf) and tuple(buf.shape) == tuple(shape):  # world size 1: the whole tensor
                     out[ck] = buf.detach()
+                elif not copy and tuple(buf.shape) == tuple(shape):
+                    out[ck] = Deferred(shape, torch.float32, functools.partial(_host_copy, buf))
                 elif full and mesh is not None:
                     # the global shape and stride, so uneven shards (7 rows on 2 ranks, 1 row on 2) gather right
                     out[ck] = as_dtensor(buf, mesh, placements, shape, stride).full_tensor().cpu()
@@ -468,6 +481,9 @@ class EMA:
                 v = to_local(v).detach()
                 if not copy and _host_fp32(v):
                     out[ck] = alias_bytes(v)
+                elif not copy:  # converted only as the save writes it: never all of them in host memory at once
+                    out[ck] = Deferred(v.shape, torch.float32 if v.is_floating_point() else v.dtype,
+                                       functools.partial(_host_copy, v))
                 else:
                     out[ck] = (v.to("cpu", torch.float32, copy=True) if v.is_floating_point()
                                else v.to("cpu", copy=True))

@@ -47,7 +47,11 @@ CUDA_CONTEXT = int(0.55 * GiB)
 OPTIM_GROUP_BYTES = 256 << 20
 """bytes: the optimizer-state lever's stream-group size (``OptimStateOffload``'s default ``group_bytes``)."""
 HOST_BASELINE = int(3.0 * GiB)
-"""bytes: host RSS of the process before the levers' buffers (torch, CUDA libraries, decoded-clip cache)."""
+"""bytes: host RSS of a GPU run's process before the levers' buffers (torch, CUDA libraries, decoded-clip cache),
+measured on the H200 machine."""
+HOST_BASELINE_CPU = int(0.75 * GiB)
+"""bytes: the same for a CPU run (torch without the CUDA libraries, clip cache): an estimate from the CPU smoke run's
+0.80 GiB peak, not a measurement of the machine it runs on."""
 
 
 def _counts(preset_name: str, keys: list[str]) -> dict[str, int]:
@@ -67,6 +71,7 @@ def _counts(preset_name: str, keys: list[str]) -> dict[str, int]:
         "hidden": preset.transformer["hidden_size"],
         "layer": sum(p.numel() for p in model.layers[0].parameters()),
         "largest_train": max((params[n].numel() for n in trainable), default=0),
+        "largest": max((p.numel() for p in params.values()), default=0),
     }
 
 
@@ -157,7 +162,17 @@ def cosmos_ledger(
     act = ACT_FIXED + int(ACT_PER_TOKEN_LAYER_HIDDEN * tokens * c["layers"] * c["hidden"])
     items.append(Item("activations + transients", act if device_type == "cuda" else 0, 0 if device_type == "cuda" else act,
                       note=f"{tokens:,} tokens x {c['layers']} layers x {c['hidden']} hidden, full AC (fitted)"))
-    items.append(Item("host process baseline", 0, HOST_BASELINE, note="torch + CUDA libraries + clip cache (measured)"))
+    if device_type == "cuda":
+        items.append(Item("host process baseline", 0, HOST_BASELINE,
+                          note="torch + CUDA libraries + clip cache (measured on an H200 machine)"))
+    else:
+        items.append(Item("host process baseline", 0, HOST_BASELINE_CPU, note="torch + clip cache (estimate, CPU run)"))
+    if world_size == 1:  # the live tensors, written one storage at a time (patches.core.streamsave)
+        items.append(Item("checkpoint save (streamed)", 0, c["largest"] * 4,
+                          note="at a save only: one tensor's fp32 host copy at a time"))
+    else:  # full copies of net, net_ema and the moments, gathered on every rank
+        items.append(Item("checkpoint save (gathered)", 0, c["all"] * mb + (c["all"] * 4 if ema_on else 0)
+                          + c["train"] * 2 * mb, note="at a save only: full host copies of net, net_ema, moments"))
     outside = [Item("CUDA context", CUDA_CONTEXT if device_type == "cuda" else 0, note="outside the allocator budget")]
     levers = ", ".join(f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD,
                                                FROZEN_BF16) if flags.get(f.name)) or "no levers"

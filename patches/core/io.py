@@ -176,10 +176,16 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
 
     A tensor on the GPU is written as a CPU tensor: the file is what saving its ``.cpu()`` copy writes and loads on a
     machine without a GPU, but torch.save copies it to the host only when it writes it, one storage at a time, so the
-    save never holds a second copy of the whole state in host memory.
+    save never holds a second copy of the whole state in host memory. An entry that is a
+    :class:`patches.core.streamsave.Deferred` is made only when it is written (:func:`patches.core.streamsave.save`):
+    the file is what saving the made tensor writes.
     """
     import torch
 
+    from .streamsave import holds_deferred, save
+
+    if holds_deferred(obj):  # entries made only as they are written (patches.core.streamsave)
+        return atomic_write(path, lambda p: save(own_storage(obj), p))
     _register_cpu_tag()
 
     def write(p: Path) -> None:
