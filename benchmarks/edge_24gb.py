@@ -18,7 +18,9 @@ process (``--only`` picks some, ``--list`` names them all):
 6. ``all levers + optimizer-state streaming``: also ``COSMOS_OPTIM_STATE_OFFLOAD=1`` (the exact lever: the
    AdamW moments in pinned host memory, streamed to the GPU for the optimizer step only).
 
-Optional (``--only``): ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
+Optional (``--only``): ``all levers + optimizer-state streaming + selective AC`` (also
+``[model.activation_checkpointing] mode = "selective"``: the attention outputs kept, not recomputed),
+``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
 Configurations 4 and 5 need the trainer's packed-attention setting (``[onecard] attention = "flex"``, or
 ``[model.attention] impl``: ``ATTENTION_PLACES``); a trainer whose schema has neither reports them as
@@ -69,6 +71,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import gzip
 import json
 import os
 import re
@@ -83,6 +86,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from benchmarks import breakdown as bd  # noqa: E402
 from benchmarks.checks import (at_least, at_most_card, free_targets, pick, positive, result_stem,  # noqa: E402
                                writable_dir, write_together)
 from cosmos_framework_ext.levers import packing  # noqa: E402
@@ -118,8 +122,13 @@ class Config:
     """``[model.attention] impl`` to set (empty: leave the trainer's default, the dense-mask reference)."""
     compile: bool = False
     """``[model.compile] enabled``."""
+    selective: bool = False
+    """``[model.activation_checkpointing] mode = "selective"``, keeping the attention outputs (:data:`SELECTIVE_OPS`)."""
 
 
+PROFILED = " (profiled)"
+"""Suffix of the ``--profile`` row's name (the profiler and its synchronizes slow that row: its times are not
+the configuration's)."""
 OFF = {EMA: "0", VAE: "0", CACHE: "0", OPT: "0"}
 CONFIGS = [
     Config("stock (uncapped card)", OFF, False),
@@ -130,7 +139,11 @@ CONFIGS = [
     Config("all levers + optimizer-state streaming", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
            attention=ATTENTION_FLEX, compile=True),
 ]
+SELECTIVE_OPS = ["fmha", "flex_attention", "scaled_dot_product"]
+"""``save_ops_regex`` of the selective rows: upstream's default plus the embedded trainer's attention ops."""
 OPTIONAL = [
+    Config("all levers + optimizer-state streaming + selective AC", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
+           attention=ATTENTION_FLEX, compile=True, selective=True),
     Config("stock", OFF, True),
     Config("EMA lever", {EMA: "1", VAE: "0", CACHE: "0", OPT: "0"}, True),
     Config("VAE lever", {EMA: "0", VAE: "1", CACHE: "0", OPT: "0"}, True),
@@ -239,6 +252,9 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path) -> Path:
         (r"(?m)^cpu_max_iter\s*=.*$", f"cpu_max_iter            = {steps}"),
         (r"(?m)^(\[model\.compile\]\s*\nenabled\s*=\s*)\S+", rf"\g<1>{'true' if cfg.compile else 'false'}"),
     ]
+    if cfg.selective:
+        subs += [(r'(?m)^mode\s*=\s*"full"', 'mode                = "selective"'),
+                 (r"(?m)^save_ops_regex\s*=.*$", f"save_ops_regex      = {json.dumps(SELECTIVE_OPS)}")]
     for pattern, repl in subs:
         text, n = re.subn(pattern, repl, text)
         if n != 1:
@@ -273,7 +289,10 @@ def replay_samples(recipe: train.CosmosSFT) -> list[list[tuple[int, int]]]:
     return [[(s.und_tokens, s.gen_tokens) for s in next(it)] for _ in range(recipe.consumed)]
 
 
-def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | None, peak: float | None) -> dict:
+def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | None, peak: float | None,
+            profile: bool = False) -> dict:
+    """Run one configuration and return its row; ``profile``: the row named ``<config> (profiled)``, with
+    micro-batches 1-3 of its last step profiled (:mod:`benchmarks.breakdown`, row key ``breakdown``)."""
     cuda = torch.cuda.is_available()
     os.environ.update(cfg.flags, OUTPUT_ROOT=str(tmp / "out" / slug(cfg.name)))
     if cfg.capped and cuda:
@@ -282,7 +301,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         os.environ.pop("ONECARD_GPU_MEMORY_GIB", None)
         if cuda:
             torch.cuda.set_per_process_memory_fraction(1.0)
-    row: dict = {"config": cfg.name, "capped_gib": args.budget_gib if cfg.capped and cuda else None,
+    row: dict = {"config": cfg.name + (PROFILED if profile else ""), "capped_gib": args.budget_gib if cfg.capped and cuda else None,
                  "attention": cfg.attention or "default (dense masks)", "compile": cfg.compile}
     if cfg.attention and attention_place() is None:
         row.update(status="skipped: the trainer's schema has no packed-attention setting")
@@ -292,6 +311,11 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
     toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp)
     # the final checkpoint is written (and deleted after the row): the row's host peak is through a save
     recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--max-iter", str(args.steps)]))
+    prof = None
+    if profile:  # micro-batches 1..3 of the last step (0 alone when grad_accum_iter is 1: a smoke)
+        ga = args.grad_accum
+        prof = bd.ProfiledMicroBatches(recipe, args.steps - 1, range(min(1, ga - 1), min(4, ga)),
+                                       tmp / "traces" / f"{slug(cfg.name)}.json")
     t0 = time.perf_counter()
     try:
         s = skeleton.run(recipe)
@@ -333,6 +357,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         row["mfu_vs_measured_gemm"] = flops / sum(times) / (MEASURED_GEMM_TFLOPS * 1e12) if cuda else None
     if row["peak_gpu_gib"]:
         row["ledger_error_pct"] = 100.0 * (row["predicted_gpu_gib"] - row["peak_gpu_gib"]) / row["peak_gpu_gib"]
+    if prof is not None:
+        row["breakdown"] = prof.result
     row["wall_s"] = time.perf_counter() - t0
     del recipe
     return row
@@ -378,6 +404,11 @@ def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: s
                  f"{f(r.get('vae_park_unpark_s_per_micro_batch'), '.1f', 1e3)} | {f(r.get('peak_host_rss_gib'), '.1f')} | "
                  f"{f(r.get('host_rss_save_gib'), '.1f')} ({f(r.get('save_adds_host_gib'), '+.2f')}) | "
                  f"{f(r.get('pinned_gib'), '.2f')} |\n")
+    for r in rows:
+        if r.get("breakdown"):
+            plain = next((x for x in rows if x["config"] + PROFILED == r["config"]), None)
+            body += (f"\n### Where the time goes: {r['config']}\n\n"
+                     + bd.markdown_table(r["breakdown"], plain.get("s_per_micro_batch") if plain else None))
     return head + body
 
 
@@ -399,6 +430,9 @@ def _main(argv: list[str] | None) -> int:
                     "(\"\": none; default: \"all levers\" when it runs)")
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="the card's dense bf16 peak in TFLOP/s (default: 989 on an H100/H200)")
+    ap.add_argument("--profile", default=None,
+                    help="comma-separated config names to run once more each, profiled: where the micro-batch time "
+                    "goes (benchmarks/breakdown.py; own rows, \"<config> (profiled)\", and a gzipped trace each)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU smoke of the benchmark itself (tiny preset; no GPU needed; any grad_accum)")
     args = ap.parse_args(argv)
@@ -411,6 +445,7 @@ def _main(argv: list[str] | None) -> int:
     only = pick("--only", args.only, names) if args.only is not None else []
     timelines = pick("--timelines", args.timelines if args.timelines is not None else "all levers", names,
                      allow_none=True)
+    profiles = pick("--profile", args.profile, names) if args.profile is not None else []
     at_least("--steps", args.steps, 2, "1 warm-up + measured")
     at_least("--grad-accum", args.grad_accum, 1 if args.smoke else 8,
              "micro-batches per optimizer step" if args.smoke else "the GPU run; any >= 1 with --smoke")
@@ -453,6 +488,12 @@ def _main(argv: list[str] | None) -> int:
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
+        for name in profiles:
+            rows.append(run_one(next(c for c in every if c.name == name), args, tmp, flops_p, peak, profile=True))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "breakdown"}), flush=True)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
         meta = {"device": device, "torch": torch.__version__, "grad_accum_iter": args.grad_accum,
                 "steps": args.steps, "peak_tflops": None if peak is None else peak / 1e12, "peak_source": peak_note,
                 "pathway_params": flops_p, "rows": rows}
@@ -461,6 +502,11 @@ def _main(argv: list[str] | None) -> int:
         for f in sorted((tmp / "timelines").glob("*")):
             name = f"{stem}-{f.name.replace('.memory', '-memory')}"
             atomic_write(args.out / name, lambda p, f=f: shutil.copyfile(f, p))
+        for name in profiles:  # the raw Chrome trace of each --profile row, gzipped, next to the results
+            trace = tmp / "traces" / f"{slug(name)}.json"
+            if trace.exists():
+                atomic_write(args.out / f"{stem}-{slug(name)}-profile-trace.json.gz",
+                             lambda p, t=trace: p.write_bytes(gzip.compress(t.read_bytes(), 6)))
     print(md)
     return 0
 

@@ -83,3 +83,31 @@ def test_unknown_toml_is_one_clear_error(capsys, tmp_path):
     assert len(err) == 1 and "unknown table [surprise]" in err[0]
     assert ledgermod.main(["--toml", str(tmp_path / "missing.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_save_and_the_host_baseline_on_the_host_column():
+    """One rank streams the save (one largest tensor's fp32 host copy at a time); several gather full copies; a CPU
+    run does not print the GPU machine's measured baseline as its own."""
+    cfg = cfgmod.load(TOML)
+    one = _items(cosmos_ledger(cfg, "edge", LEVERS, device_type="cuda"))
+    meta = R.build_transformer(R.get_preset("edge"), device="meta")
+    largest = max(p.numel() for p in meta.parameters())
+    assert one["checkpoint save"].host_bytes == largest * 4 and "streamed" in one["checkpoint save"].name
+    two = _items(cosmos_ledger(cfg, "edge", LEVERS, world_size=2, device_type="cuda"))
+    assert "gathered" in two["checkpoint save"].name
+    assert two["checkpoint save"].host_bytes == 3_361_198_784 * 2 + 3_361_198_784 * 4 + 1_414_924_992 * 2 * 2  # full copies on each rank
+    assert "measured" in one["host process baseline"].note
+    cpu = _items(cosmos_ledger(cfg, "tiny", LEVERS, device_type="cpu"))["host process baseline"]
+    assert "estimate" in cpu.note and "measured" not in cpu.note and cpu.host_bytes < one["host process baseline"].host_bytes
+
+
+def test_selective_checkpointing_adds_the_kept_attention_outputs(tmp_path):
+    text = TOML.read_text().replace('mode                = "full"', 'mode                = "selective"', 1).replace(
+        'save_ops_regex      = ["fmha"]', 'save_ops_regex      = ["fmha", "flex_attention"]', 1)
+    (tmp_path / "sel.toml").write_text(text)
+    sel = cosmos_ledger(cfgmod.load(tmp_path / "sel.toml"), "edge", LEVERS, device_type="cuda")
+    full = cosmos_ledger(cfgmod.load(TOML), "edge", LEVERS, device_type="cuda")
+    assert sel.gpu_allocated - full.gpu_allocated == 28 * 12287 * 16 * (128 * 2 + 4)
+    upstream_default = tmp_path / "fmha.toml"  # upstream's ["fmha"] names no op of the embedded trainer: nothing kept
+    upstream_default.write_text(TOML.read_text().replace('mode                = "full"', 'mode                = "selective"', 1))
+    assert cosmos_ledger(cfgmod.load(upstream_default), "edge", LEVERS, device_type="cuda").gpu_allocated == full.gpu_allocated

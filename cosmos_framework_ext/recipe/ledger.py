@@ -23,6 +23,7 @@ runs with both levers on, over the exact static components (``docs/ledger.md`` h
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Iterable
 
@@ -36,12 +37,16 @@ from patches.core.runtime import GiB
 from cosmos_framework_ext.recipe import config as cfgmod
 from cosmos_framework_ext.recipe.config import SFTConfig
 from cosmos_framework_ext.levers.frozen_bf16 import check_with_ema
+from cosmos_framework_ext.levers.selective_ac import kept_attention_bytes
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 
 ACT_FIXED = int(0.79 * GiB)
 """bytes: activation-phase transients that do not scale with tokens (fitted, see module docstring)."""
 ACT_PER_TOKEN_LAYER_HIDDEN = 2.97
 """bytes per token x layer x hidden unit under full activation checkpointing (fitted)."""
+ATTENTION_OP_NAMES = ("flex_attention", "aten._scaled_dot_product_efficient_attention.default")
+"""The embedded trainer's attention ops as the selective policy sees them: a ``save_ops_regex`` that matches one
+keeps the attention outputs (and the ledger counts them)."""
 CUDA_CONTEXT = int(0.55 * GiB)
 """bytes: CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator (typical on Hopper)."""
 OPTIM_GROUP_BYTES = 256 << 20
@@ -69,6 +74,8 @@ def _counts(preset_name: str, keys: list[str]) -> dict[str, int]:
         "vae": sum(p.numel() for p in vae.parameters()),
         "layers": preset.transformer["num_hidden_layers"],
         "hidden": preset.transformer["hidden_size"],
+        "heads": preset.transformer["num_attention_heads"],
+        "head_dim": preset.transformer["head_dim"],
         "layer": sum(p.numel() for p in model.layers[0].parameters()),
         "largest_train": max((params[n].numel() for n in trainable), default=0),
         "largest": max((p.numel() for p in params.values()), default=0),
@@ -162,6 +169,12 @@ def cosmos_ledger(
     act = ACT_FIXED + int(ACT_PER_TOKEN_LAYER_HIDDEN * tokens * c["layers"] * c["hidden"])
     items.append(Item("activations + transients", act if device_type == "cuda" else 0, 0 if device_type == "cuda" else act,
                       note=f"{tokens:,} tokens x {c['layers']} layers x {c['hidden']} hidden, full AC (fitted)"))
+    ac = cfg.model.activation_checkpointing
+    if ac.mode == "selective" and any(re.search(p, op) for p in ac.save_ops_regex for op in ATTENTION_OP_NAMES):
+        kept = kept_attention_bytes(tokens, c["layers"], c["heads"], c["head_dim"], b)
+        items.append(Item("kept attention outputs (selective AC)", kept if device_type == "cuda" else 0,
+                          0 if device_type == "cuda" else kept,
+                          note=f"{c['layers']} layers x {tokens:,} tokens x {c['heads']} heads x (head_dim {c['head_dim']} + lse)"))
     if device_type == "cuda":
         items.append(Item("host process baseline", 0, HOST_BASELINE,
                           note="torch + CUDA libraries + clip cache (measured on an H200 machine)"))

@@ -61,6 +61,7 @@ from patches.core.device import gpu_budget_bytes, pick_device
 from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
+from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing, save_policy
 from cosmos_framework_ext.recipe.ledger import cosmos_ledger, summary_line
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
@@ -446,7 +447,8 @@ class CosmosSFT(skeleton.Recipe):
         Raises:
             UserError: a setting the embedded trainer would not honour (``precision`` other than bfloat16/float32,
                 ``distributed_parallelism`` other than fsdp, ``joint_attn_implementation`` other than two_way,
-                activation checkpointing other than full/none, shard/replicate degrees other than all ranks); a
+                activation checkpointing other than full/selective/none (or a
+                ``save_ops_regex`` that is not a regular expression), shard/replicate degrees other than all ranks); a
                 peak learning rate ``lr x max(f_max, f_start)`` above 1 or a schedule that never rises above 0;
                 ``lr x weight_decay`` >= 1 (AdamW's decay factor ``1 - lr x wd`` would flip or zero the weights);
                 an empty ``keys_to_select`` pattern (it matches every parameter); a ``[job]`` project/group/name
@@ -457,11 +459,18 @@ class CosmosSFT(skeleton.Recipe):
                                  ("[trainer].distributed_parallelism", c.trainer.distributed_parallelism, ("fsdp",)),
                                  ("[model].joint_attn_implementation", c.model.joint_attn_implementation, ("two_way",)),
                                  ("[model.activation_checkpointing].mode", c.model.activation_checkpointing.mode,
-                                  ("full", "none"))):
+                                  ("full", "selective", "none"))):
             if value not in ok:
                 raise UserError(f"{src}: {where} = {value!r} is not implemented by the embedded trainer (it runs "
                                 f"{' or '.join(map(repr, ok))}): use one of those, or run upstream's trainer "
                                 "(COSMOS_FRAMEWORK_ROOT)")
+        ac = c.model.activation_checkpointing
+        if ac.mode == "selective":
+            try:
+                save_policy(ac.save_ops_regex)
+            except ValueError as e:
+                raise UserError(f"{src}: [model.activation_checkpointing] {e}: give Python regular expressions "
+                                "(e.g. \"flex_attention\")") from None
         par = c.model.parallelism
         if par.data_parallel_replicate_degree != 1 or par.data_parallel_shard_degree not in (-1, self.world):
             raise UserError(f"{src}: [model.parallelism] data_parallel_shard_degree = {par.data_parallel_shard_degree}, "
@@ -625,8 +634,12 @@ class CosmosSFT(skeleton.Recipe):
             p.requires_grad_(n in tset)
         self.n_total = sum(p.numel() for p in model.parameters())
         self.n_train = sum(p.numel() for n, p in model.named_parameters() if n in tset)
-        if cfg.model.activation_checkpointing.mode == "full":
+        ac = cfg.model.activation_checkpointing
+        if ac.mode == "full":
             model.enable_gradient_checkpointing()
+        elif ac.mode == "selective":  # lever: the ops save_ops_regex names kept, the rest recomputed (before compile)
+            apply_selective_checkpointing(model, ac.save_ops_regex, preserve_rng_state=ac.preserve_rng_state,
+                                          determinism_check=ac.determinism_check)
         self.proc = attention.install(model)
         model.train()
         self.compile_note = "eager"

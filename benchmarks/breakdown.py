@@ -1,0 +1,329 @@
+"""Where a Cosmos micro-batch's time goes: a profiled breakdown by phase, kernel category and decoder layer.
+
+:class:`ProfiledMicroBatches` wraps a :class:`~cosmos_framework_ext.recipe.train.CosmosSFT` before it runs. For
+the micro-batches it is told to profile (one optimizer step's, after the warm-up step), it
+
+- runs ``torch.profiler`` (CPU and CUDA activities) over them and exports the Chrome trace;
+- marks each micro-batch (``onecard.micro_batch``) and each of the recipe's memory phases inside it
+  (``onecard.encode``, ``onecard.forward``, ``onecard.backward``) with ``record_function``, with a device
+  synchronize at the start and end of each phase, so a phase's kernels run inside its own window (this adds idle
+  time: the profiled micro-batch is slower than an unprofiled one, and both are reported);
+- marks each decoder layer's call through the activation-checkpoint function (``onecard.layer.<i>``), outside the
+  compiled layer (no graph break): the same mark in the backward window is that layer's recompute. Under selective
+  checkpointing (no checkpoint function; the checkpoint is inside the compiled layer) the layer's call is marked
+  instead: forward only, the recompute runs inside the compiled backward and is not separated.
+
+:func:`breakdown` reads the trace: every GPU event (kernel, memcpy, memset) is attributed to the phase and layer in
+which the CPU *launched* it (the launch is found through the event's ``correlation`` id), and its duration is
+summed per kernel category (:data:`CATEGORIES`, first match wins). GPU busy time is the union of GPU event
+intervals inside a window; idle = window wall time - busy. Everything is reported per micro-batch (mean over the
+profiled ones), in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from bisect import bisect_right
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["CATEGORIES", "categorize", "breakdown", "ProfiledMicroBatches", "markdown_table"]
+
+PREFIX = "onecard."
+PHASES = ("encode", "forward", "backward")
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("attention", r"flex_attention|flash|fmha|_attn_|attention|sdpa|cudnn"),
+    ("GEMM", r"gemm|cutlass|nvjet|xmma|cublas|splitk|triton_tem_fused_(?:add)?b?mm|sm\d\d_"),
+    ("fused elementwise (Triton)", r"^triton_(?:poi|red|per)_"),
+    ("memcpy / memset", r"^memcpy|^memset|^\[memcpy|^\[memset"),
+    ("elementwise / reduce (eager)", r"elementwise|vectorized|reduce|unrolled|at::native|index|scatter|gather|cat|copy"),
+)
+"""(category, regex on the lower-cased kernel name), in order; a name matching none is ``other``."""
+_COMPILED = [(c, re.compile(p)) for c, p in CATEGORIES]
+GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+
+
+def categorize(name: str) -> str:
+    """The category of a GPU event name (``"other"`` if no pattern of :data:`CATEGORIES` matches)."""
+    low = name.lower()
+    for cat, rx in _COMPILED:
+        if rx.search(low):
+            return cat
+    return "other"
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _clip(iv: tuple[float, float], lo: float, hi: float) -> tuple[float, float] | None:
+    a, b = max(iv[0], lo), min(iv[1], hi)
+    return (a, b) if b > a else None
+
+
+def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
+    """The per-micro-batch breakdown of a Chrome trace written under :class:`ProfiledMicroBatches`.
+
+    Args:
+        trace: the parsed JSON of ``torch.profiler.profile.export_chrome_trace`` (``{"traceEvents": [...]}``;
+            times in microseconds).
+        top: how many kernels to list in ``top_kernels`` (by total time).
+
+    Returns:
+        ``{"micro_batches": n, "wall_s", "gpu_busy_s", "idle_s", "phases": {phase: {"wall_s", "gpu_busy_s",
+        "idle_s", "kernels_s": {category: s}}}, "categories_s": {category: s}, "recompute_s", "layers":
+        {"forward_s": [...], "recompute_s": [...]}, "top_kernels": [{"name", "category", "count", "s"}]}``, every
+        time in seconds per micro-batch; phase ``"host and data"`` is the micro-batch's time outside the three
+        phases (fetching the batch, noise, packing, the loss's host read).
+
+    Raises:
+        ValueError: the trace holds no ``onecard.micro_batch`` mark (it was not written under the wrapper).
+    """
+    ev = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    marks = [e for e in ev if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(PREFIX)]
+    micro = sorted((e["ts"], e["ts"] + e["dur"]) for e in marks if e["name"] == PREFIX + "micro_batch")
+    if not micro:
+        raise ValueError("the trace has no onecard.micro_batch mark: profile through ProfiledMicroBatches")
+    n = len(micro)
+    phase_win = {p: sorted((e["ts"], e["ts"] + e["dur"]) for e in marks if e["name"] == PREFIX + p) for p in PHASES}
+    layer_marks = defaultdict(list)  # tid -> [(start, end, layer)]
+    for e in marks:
+        m = re.fullmatch(re.escape(PREFIX) + r"layer\.(\d+)", e["name"])
+        if m:
+            layer_marks[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], int(m.group(1))))
+    for v in layer_marks.values():
+        v.sort()
+    launch = {}
+    for e in ev:
+        if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {}):
+            launch[e["args"]["correlation"]] = (e["ts"], e.get("tid"))
+    gpu = [e for e in ev if e.get("cat") in GPU_CATS]
+
+    def where(t: float, wins: list[tuple[float, float]]) -> int | None:
+        i = bisect_right(wins, (t, float("inf"))) - 1
+        return i if i >= 0 and wins[i][0] <= t <= wins[i][1] else None
+
+    def layer_of(t: float, tid: Any) -> int | None:
+        best = None
+        for a, b, k in layer_marks.get(tid, ()):
+            if a > t:
+                break
+            if t <= b:
+                best = k  # the innermost (latest-starting) mark that holds t
+        return best
+
+    names = ("host and data",) + PHASES
+    kern = {p: defaultdict(float) for p in names}
+    busy = {p: [] for p in names}
+    cats_total = defaultdict(float)
+    recompute = 0.0
+    layer_fwd, layer_rec = defaultdict(float), defaultdict(float)
+    per_kernel = defaultdict(lambda: [0, 0.0])
+    for e in gpu:
+        lt, tid = launch.get(e.get("args", {}).get("correlation"), (e["ts"], None))
+        mb = where(lt, micro)
+        if mb is None:
+            continue
+        phase = next((p for p in PHASES if where(lt, phase_win[p]) is not None), "host and data")
+        cat = categorize(e["name"]) if e["cat"] == "kernel" else "memcpy / memset"
+        dur = e["dur"] / 1e6
+        kern[phase][cat] += dur
+        cats_total[cat] += dur
+        iv = _clip((e["ts"], e["ts"] + e["dur"]), *micro[mb])
+        if iv:
+            busy[phase].append(iv)
+        k = layer_of(lt, tid) if phase in ("forward", "backward") else None
+        if k is not None:
+            (layer_fwd if phase == "forward" else layer_rec)[k] += dur
+            if phase == "backward":
+                recompute += dur
+        pk = per_kernel[e["name"]]
+        pk[0] += 1
+        pk[1] += dur
+
+    def wall(wins):
+        return sum(b - a for a, b in wins) / 1e6
+
+    micro_wall = wall(micro)
+    phases = {}
+    for p in names:
+        w = wall(phase_win[p]) if p in PHASES else micro_wall - sum(wall(phase_win[q]) for q in PHASES)
+        b = _union(busy[p]) / 1e6
+        phases[p] = {"wall_s": w / n, "gpu_busy_s": b / n, "idle_s": max(w - b, 0.0) / n,
+                     "kernels_s": {c: s / n for c, s in sorted(kern[p].items(), key=lambda kv: -kv[1])}}
+    all_busy = _union([iv for p in names for iv in busy[p]]) / 1e6
+    layers = sorted({k for v in layer_marks.values() for _, _, k in v})  # every marked layer, even with no GPU events
+    tops = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "micro_batches": n, "wall_s": micro_wall / n, "gpu_busy_s": all_busy / n,
+        "idle_s": max(micro_wall - all_busy, 0.0) / n, "phases": phases,
+        "categories_s": {c: s / n for c, s in sorted(cats_total.items(), key=lambda kv: -kv[1])},
+        "recompute_s": recompute / n,
+        "layers": {"forward_s": [layer_fwd[k] / n for k in layers], "recompute_s": [layer_rec[k] / n for k in layers]},
+        "top_kernels": [{"name": name[:120], "category": categorize(name), "count": c // n or c, "s": s / n}
+                        for name, (c, s) in tops],
+    }
+
+
+class _Phases:
+    """Stands in for the recipe's memory sampler inside a profiled micro-batch: each phase is also a
+    ``record_function`` mark with a device synchronize at its start and end; everything else is the sampler's."""
+
+    def __init__(self, mem: Any, device: torch.device):
+        self._mem, self._device = mem, device
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mem, name)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        with self._mem.phase(name):
+            self._sync()
+            with torch.profiler.record_function(PREFIX + name):
+                try:
+                    yield
+                finally:
+                    self._sync()
+
+    def _sync(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+
+class ProfiledMicroBatches:
+    """Profile micro-batches ``micros`` of optimizer step ``iteration`` of ``recipe`` (install before the run).
+
+    Args:
+        recipe: a built-but-not-run ``CosmosSFT``.
+        iteration: the 0-based optimizer step whose micro-batches to profile (after the warm-up step).
+        micros: the micro-batch indices within that step (consecutive; e.g. ``range(1, 4)``).
+        trace_path: where to write the Chrome trace (JSON).
+
+    After the run, :attr:`result` holds :func:`breakdown` of the trace (``None`` if those micro-batches never ran).
+    Raises ``ValueError`` at construction for an empty ``micros``.
+    """
+
+    def __init__(self, recipe: Any, iteration: int, micros: range, trace_path: Path):
+        if len(micros) == 0:
+            raise ValueError("micros is empty: name at least one micro-batch to profile")
+        self.recipe, self.iteration, self.micros, self.trace_path = recipe, iteration, micros, Path(trace_path)
+        self.result: dict[str, Any] | None = None
+        self._prof = None
+        self._layer = 0
+        inner = recipe._micro_batch
+        recipe._micro_batch = self._wrap(inner)
+        build = recipe._build_model
+
+        def build_then_mark() -> None:
+            build()
+            self._mark_layers(recipe.model)
+
+        recipe._build_model = build_then_mark
+
+    def _mark_layers(self, model: torch.nn.Module) -> None:
+        """Mark each decoder layer's call through the checkpoint function (``mode = "full"``: forward and
+        recompute); with no checkpoint function in use (``selective`` or ``none``), mark the layer's call itself,
+        outside its compiled region: forward only (a selective recompute runs inside the compiled backward)."""
+        if not any(getattr(m, "_gradient_checkpointing_func", None) is not None
+                   and getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+            names = set(getattr(model, "_repeated_blocks", ()))
+            for m in model.modules():
+                if type(m).__name__ in names:
+                    attr = "_compiled_call_impl" if getattr(m, "_compiled_call_impl", None) is not None else "forward"
+                    setattr(m, attr, self._marked_call(getattr(m, attr)))
+            return
+        for m in model.modules():
+            fn = getattr(m, "_gradient_checkpointing_func", None)
+            if fn is None or not getattr(m, "gradient_checkpointing", False):
+                continue
+
+            def marked_ckpt(layer_call, *args, _fn=fn, **kw):
+                if self._prof is None:
+                    return _fn(layer_call, *args, **kw)
+                idx = self._layer
+                self._layer += 1
+
+                def run(*a, **k):
+                    with torch.profiler.record_function(f"{PREFIX}layer.{idx}"):
+                        return layer_call(*a, **k)
+
+                return _fn(run, *args, **kw)
+
+            m._gradient_checkpointing_func = marked_ckpt
+
+    def _marked_call(self, call):
+        def marked(*args, **kwargs):
+            if self._prof is None:
+                return call(*args, **kwargs)
+            idx = self._layer
+            self._layer += 1
+            with torch.profiler.record_function(f"{PREFIX}layer.{idx}"):
+                return call(*args, **kwargs)
+
+        return marked
+
+    def _wrap(self, inner):
+        def micro_batch(iteration: int, micro: int):
+            if iteration != self.iteration or micro not in self.micros:
+                return inner(iteration, micro)
+            if micro == self.micros[0]:
+                self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                    [torch.profiler.ProfilerActivity.CUDA] if self.recipe.device.type == "cuda" else []))
+                self._prof.__enter__()
+            mem = self.recipe.mem
+            self.recipe.mem = _Phases(mem, self.recipe.device)
+            self._layer = 0
+            try:
+                with torch.profiler.record_function(PREFIX + "micro_batch"):
+                    out = inner(iteration, micro)
+            finally:
+                self.recipe.mem = mem
+            if micro == self.micros[-1]:
+                self._finish()
+            return out
+
+        return micro_batch
+
+    def _finish(self) -> None:
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.trace_path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.trace_path))
+        self.result = breakdown(json.loads(self.trace_path.read_text()))
+
+
+def markdown_table(b: dict[str, Any], unprofiled_s: float | None = None) -> str:
+    """The breakdown as markdown: phases (wall, GPU busy, idle), kernel categories per phase, layers, top kernels."""
+    ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
+    cats = list(b["categories_s"])
+    lines = [f"Profiled {b['micro_batches']} micro-batches: {ms(b['wall_s'])} ms each"
+             + (f" (unprofiled median {ms(unprofiled_s)} ms)" if unprofiled_s else "")
+             + f", GPU busy {ms(b['gpu_busy_s'])} ms, idle {ms(b['idle_s'])} ms;"
+             f" recompute (activation checkpointing) {ms(b['recompute_s'])} ms of the backward.", "",
+             "| phase | wall ms | GPU busy ms | idle ms |" + "".join(f" {c} ms |" for c in cats),
+             "|---" * (4 + len(cats)) + "|"]
+    for p, d in b["phases"].items():
+        lines.append(f"| {p} | {ms(d['wall_s'])} | {ms(d['gpu_busy_s'])} | {ms(d['idle_s'])} |"
+                     + "".join(f" {ms(d['kernels_s'].get(c, 0.0))} |" for c in cats))
+    lines.append(f"| **all** | {ms(b['wall_s'])} | {ms(b['gpu_busy_s'])} | {ms(b['idle_s'])} |"
+                 + "".join(f" {ms(b['categories_s'][c])} |" for c in cats))
+    fw, rc = b["layers"]["forward_s"], b["layers"]["recompute_s"]
+    if fw:
+        lines += ["", f"Decoder layers ({len(fw)}): forward {ms(min(fw))}–{ms(max(fw))} ms each (sum {ms(sum(fw))}),"
+                  f" recompute {ms(min(rc or [0]))}–{ms(max(rc or [0]))} ms each (sum {ms(sum(rc))})."]
+    lines += ["", "| kernel | category | launches / micro-batch | ms / micro-batch |", "|---|---|---|---|"]
+    for k in b["top_kernels"]:
+        lines.append(f"| `{k['name'][:70]}` | {k['category']} | {k['count']} | {ms(k['s'])} |")
+    return "\n".join(lines) + "\n"

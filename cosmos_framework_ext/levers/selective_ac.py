@@ -1,0 +1,102 @@
+"""Selective activation checkpointing: each decoder layer is recomputed in the backward pass, except the outputs of
+the ops named by ``[model.activation_checkpointing] save_ops_regex``, which are kept from the forward.
+
+``mode = "full"`` (diffusers' ``enable_gradient_checkpointing``) recomputes the whole layer, attention included, in
+the backward pass. ``mode = "selective"`` checkpoints the same layers with PyTorch's selective checkpointing
+(``torch.utils.checkpoint.create_selective_checkpoint_contexts``): an op whose name (``str(op)``, e.g.
+``"flex_attention"``, ``"aten._scaled_dot_product_efficient_attention.default"``, ``"aten.mm.default"``) matches one
+of the regexes is ``MUST_SAVE``, every other op ``PREFER_RECOMPUTE`` (torchtitan's policy). Upstream
+cosmos-framework names its kept ops the same way (its default ``["fmha"]`` for its fused attention kernels); the
+embedded trainer's attention ops are ``flex_attention`` and ``scaled_dot_product``, so the recipes list those.
+
+The checkpoint is put *inside* each layer's forward, so with ``[model.compile]`` on the compiled region holds the
+checkpoint and the policy, and the partitioner sees them (the way upstream and torchtitan order AC and compile);
+``mode = "full"`` checkpoints the compiled layer from outside. The math is unchanged: the same ops on the same
+inputs; only which forward values are kept rather than recomputed. ``tests/equivalence/test_selective_ac.py``
+proves the gradients bitwise equal to ``mode = "full"`` (tiny preset, fp32, CPU, eager and compiled with
+``aot_eager``) and counts that the kept attention is not run again in the backward pass.
+
+Memory: the kept outputs stay alive from the forward to the backward of their layer: for the attention ops, per
+layer, ``tokens x heads x head_dim`` values in the compute dtype plus the log-sum-exp (``tokens x heads`` fp32)
+that flex_attention returns beside them (the ledger counts this: :func:`kept_attention_bytes`).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["ATTENTION_OPS", "apply_selective_checkpointing", "kept_attention_bytes", "save_policy"]
+
+ATTENTION_OPS = ("flex_attention", "scaled_dot_product")
+"""Regexes that match the embedded trainer's attention ops (block-sparse and dense)."""
+
+
+def save_policy(save_ops_regex: Sequence[str]):
+    """The selective-checkpoint policy: ``MUST_SAVE`` for an op whose ``str(op)`` matches one of
+    ``save_ops_regex`` (``re.search``), else ``PREFER_RECOMPUTE``.
+
+    Raises:
+        ValueError: a pattern that is not a valid regular expression (names it).
+    """
+    pats = []
+    for p in save_ops_regex:
+        try:
+            pats.append(re.compile(p))
+        except re.error as e:
+            raise ValueError(f"save_ops_regex {p!r} is not a regular expression ({e})") from None
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        name = str(op)
+        return CheckpointPolicy.MUST_SAVE if any(p.search(name) for p in pats) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_selective_checkpointing(model: torch.nn.Module, save_ops_regex: Sequence[str], *,
+                                  preserve_rng_state: bool = True, determinism_check: str = "default") -> int:
+    """Checkpoint every repeated block of ``model`` (``model._repeated_blocks``) selectively; returns how many.
+
+    Call before :func:`~cosmos_framework_ext.levers.compile_blocks.compile_blocks` and instead of
+    ``enable_gradient_checkpointing`` (which is turned off here: the layers are called directly and checkpoint
+    themselves). Each block's ``forward`` becomes ``checkpoint(forward, ..., use_reentrant=False,
+    context_fn=<selective contexts of save_policy(save_ops_regex)>)``.
+
+    Raises:
+        ValueError: ``model`` has no repeated blocks, or a pattern is not a regular expression.
+    """
+    policy = save_policy(save_ops_regex)
+    names = set(getattr(model, "_repeated_blocks", ()))
+    if not names:
+        raise ValueError(f"{type(model).__name__} declares no _repeated_blocks to checkpoint")
+    if getattr(model, "gradient_checkpointing", False) or any(getattr(m, "gradient_checkpointing", False)
+                                                              for m in model.modules()):
+        model.disable_gradient_checkpointing()
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    n = 0
+    for m in model.modules():
+        if type(m).__name__ not in names:
+            continue
+        inner = m.forward
+
+        def forward(*args: Any, _inner=inner, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, context_fn=context_fn,
+                              preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, **kwargs)
+
+        m.forward = forward
+        n += 1
+    return n
+
+
+def kept_attention_bytes(tokens: int, layers: int, heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes the attention ops' kept outputs hold at the peak (all layers' forward done, before the backward):
+    per layer ``tokens x heads x head_dim x dtype_bytes`` for the output plus ``tokens x heads x 4`` for its fp32
+    log-sum-exp."""
+    return layers * tokens * heads * (head_dim * dtype_bytes + 4)

@@ -1,0 +1,138 @@
+"""``benchmarks/breakdown.py``: the profiled breakdown attributes each GPU event to the phase and decoder layer that
+launched it and sums it per category (a hand-built trace with known answers), and ``edge_24gb.py --profile`` runs
+it end to end as a CPU smoke."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import breakdown as bd
+from benchmarks.checks import result_stem
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN, AUTOGRAD = 1, 2  # thread ids
+
+
+def ann(name, ts, dur, tid=MAIN):
+    return {"ph": "X", "cat": "user_annotation", "name": "onecard." + name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def kernel(name, launch_ts, ts, dur, corr, tid=MAIN, cat="kernel"):
+    """A GPU event and its launch (``cudaLaunchKernel`` on ``tid`` at ``launch_ts``), linked by ``corr``."""
+    return [{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch_ts, "dur": 1, "tid": tid,
+             "args": {"correlation": corr}},
+            {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 7, "args": {"correlation": corr}}]
+
+
+def trace():
+    """One micro-batch 0..1000 us: host/data 0..100, encode 100..200, forward 200..500 (layer 0 at 210..300,
+    layer 1 at 300..400), backward 500..1000 (recompute of layer 1 at 510..600 on the autograd thread)."""
+    ev = [ann("micro_batch", 0, 1000), ann("encode", 100, 100), ann("forward", 200, 300),
+          ann("backward", 500, 500), ann("layer.0", 210, 90), ann("layer.1", 300, 100),
+          ann("layer.1", 510, 90, tid=AUTOGRAD)]
+    ev += kernel("Memcpy HtoD (Pinned -> Device)", 50, 60, 20, 1, cat="gpu_memcpy")  # host and data
+    ev += kernel("triton_poi_fused_add_0", 120, 130, 10, 2)  # encode
+    ev += kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 220, 230, 40, 3)  # forward, layer 0
+    ev += kernel("triton_tem_fused_flex_attention_0", 310, 320, 50, 4)  # forward, layer 1
+    # launched in the forward (layer 1) but still running at the backward's start: it is the forward's
+    ev += kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 390, 505, 30, 5)
+    ev += kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 520, 530, 40, 6, tid=AUTOGRAD)  # recompute of layer 1
+    ev += kernel("void at::native::vectorized_elementwise_kernel<4>", 700, 710, 20, 7, tid=AUTOGRAD)  # gradient
+    ev += kernel("some_custom_kernel", 800, 810, 5, 8, tid=AUTOGRAD)  # other
+    ev += kernel("outside", 1100, 1110, 500, 9)  # launched after the micro-batch: not counted
+    return {"traceEvents": ev}
+
+
+def test_categories_of_known_kernel_names():
+    assert bd.categorize("triton_tem_fused_flex_attention_backward_1") == "attention"
+    assert bd.categorize("pytorch_flash::flash_fwd_kernel") == "attention"
+    assert bd.categorize("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "GEMM"
+    assert bd.categorize("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT") == "GEMM"
+    assert bd.categorize("triton_tem_fused_mm_3") == "GEMM"
+    assert bd.categorize("triton_red_fused__to_copy_mean_pow_1") == "fused elementwise (Triton)"
+    assert bd.categorize("Memcpy DtoH (Device -> Pinned)") == "memcpy / memset"
+    assert bd.categorize("void at::native::reduce_kernel<512, 1>") == "elementwise / reduce (eager)"
+    assert bd.categorize("some_custom_kernel") == "other"
+
+
+def test_events_go_to_the_phase_and_layer_that_launched_them():
+    b = bd.breakdown(trace())
+    assert b["micro_batches"] == 1
+    assert b["wall_s"] == pytest.approx(1000e-6)
+    ph = b["phases"]
+    assert ph["host and data"]["kernels_s"] == {"memcpy / memset": pytest.approx(20e-6)}
+    assert ph["host and data"]["wall_s"] == pytest.approx(100e-6)
+    assert ph["encode"]["kernels_s"] == {"fused elementwise (Triton)": pytest.approx(10e-6)}
+    assert ph["forward"]["kernels_s"] == {"GEMM": pytest.approx(70e-6), "attention": pytest.approx(50e-6)}
+    assert ph["backward"]["kernels_s"] == {"GEMM": pytest.approx(40e-6),
+                                           "elementwise / reduce (eager)": pytest.approx(20e-6),
+                                           "other": pytest.approx(5e-6)}
+    assert ph["backward"]["gpu_busy_s"] == pytest.approx(65e-6)
+    assert ph["backward"]["idle_s"] == pytest.approx(435e-6)
+    assert b["recompute_s"] == pytest.approx(40e-6)
+    assert b["layers"] == {"forward_s": [pytest.approx(40e-6), pytest.approx(80e-6)],
+                           "recompute_s": [0.0, pytest.approx(40e-6)]}
+    assert b["gpu_busy_s"] == pytest.approx(210e-6)  # the union: the forward GEMM still running at 505..535 overlaps the recompute GEMM by 5 us; the event launched outside is not counted
+    assert b["categories_s"]["GEMM"] == pytest.approx(110e-6)
+    assert b["top_kernels"][0]["name"] == "sm90_xmma_gemm_bf16bf16_bf16f32" and b["top_kernels"][0]["count"] == 2
+    md = bd.markdown_table(b, unprofiled_s=0.0009)
+    assert "| backward | 0.5 | 0.1 | 0.4 |" in md and "| forward | 0.3 | 0.1 | 0.2 |" in md
+    assert "unprofiled median 0.9 ms" in md and "Decoder layers (2)" in md
+
+
+def test_overlapping_events_count_once_in_busy_time():
+    t = trace()
+    t["traceEvents"] += kernel("triton_poi_fused_mul_1", 221, 235, 10, 99)  # inside the GEMM's 230..270
+    t["traceEvents"] += kernel("triton_poi_fused_mul_2", 222, 260, 30, 98)  # 260..290: 10 us of it overlap the GEMM
+    b = bd.breakdown(t)
+    assert b["phases"]["forward"]["gpu_busy_s"] == pytest.approx(140e-6)  # 40 + 20 + 50 + 30, each overlap once
+    assert b["phases"]["forward"]["kernels_s"]["fused elementwise (Triton)"] == pytest.approx(40e-6)
+
+
+def test_a_trace_without_the_marks_is_refused():
+    with pytest.raises(ValueError, match="onecard.micro_batch"):
+        bd.breakdown({"traceEvents": kernel("x", 0, 1, 1, 1)})
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("edge_24gb_bench_profile", REPO / "benchmarks" / "edge_24gb.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_smoke_adds_a_profiled_row(bench, tmp_path, monkeypatch, small_dataset):
+    monkeypatch.setenv("DATASET_PATH", str(small_dataset))
+    for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    name = "all levers + optimizer-state streaming + selective AC"  # on the CPU: eager, dense-mask fallback as the trainer runs it
+    assert bench.main(["--smoke", "--steps", "2", "--grad-accum", "2", "--only", name, "--profile", name,
+                       "--out", str(tmp_path)]) == 0
+    stem = result_stem("cosmos", "edge24gb", "cpu", smoke=True)
+    rows = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
+    assert [r["config"] for r in rows] == [name, name + " (profiled)"]
+    assert "breakdown" not in rows[0]
+    b = rows[1]["breakdown"]
+    from cosmos_framework_ext.recipe.presets import get_preset
+
+    layers = get_preset("tiny").transformer["num_hidden_layers"]
+    assert b["micro_batches"] == 1 and len(b["layers"]["forward_s"]) == layers
+    assert all(b["phases"][p]["wall_s"] > 0 for p in ("encode", "forward", "backward"))
+    assert f"Where the time goes: {name} (profiled)" in (tmp_path / f"{stem}.md").read_text()
+    trace = tmp_path / f"{stem}-{bench.slug(name)}-profile-trace.json.gz"
+    assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+
+
+@pytest.mark.parametrize("value", ["nosuch", "stock,nosuch", ","])
+def test_profile_names_known_configurations(bench, tmp_path, value, capsys):
+    assert bench.main(["--smoke", "--grad-accum", "1", "--profile", value, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--profile" in err and not list(tmp_path.iterdir())
