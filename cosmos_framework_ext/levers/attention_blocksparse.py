@@ -60,7 +60,7 @@ def _block_sets(segments: torch.Tensor, n_segments: int, block: int) -> tuple[to
     n_blocks = -(-n // block)
     tile = torch.arange(n, device=segments.device) // block
     has = torch.zeros(n_blocks, n_segments, dtype=torch.bool, device=segments.device)
-    has[tile, segments] = True
+    has.index_put_((tile, segments), torch.ones((), dtype=torch.bool, device=segments.device))  # no host scalar copy
     complete = torch.full((n_blocks,), block, device=segments.device)
     if n % block:
         complete[-1] = n % block
@@ -80,6 +80,7 @@ def segment_block_mask(
     mask_mod: Callable,
     causal: bool,
     block: int = DEFAULT_BLOCK,
+    n_segments: int | None = None,
 ) -> BlockMask:
     """A flex_attention :class:`BlockMask` for "a query attends to keys of its own sample" (causal or not).
 
@@ -93,11 +94,16 @@ def segment_block_mask(
         mask_mod: ``(b, h, q_idx, kv_idx) -> bool`` for the partial tiles, the exact token rule.
         causal: whether key ``k`` may be seen by query ``q`` only when ``k <= q`` (same index space).
         block: tile edge in tokens.
+        n_segments: the number of samples, if known (every segment index is below it); else read from the
+            segments (a device-to-host read: on a GPU it waits for the queued work).
 
     Returns:
         BlockMask of shape [1, 1, Lq, Lkv]; memory O(Lq + Lkv + (Lq / block) * (Lkv / block)).
     """
-    n_seg = int(max(int(q_segments.max()), int(kv_segments.max()))) + 1 if q_segments.numel() else 1
+    if n_segments is not None:
+        n_seg = max(int(n_segments), 1)
+    else:
+        n_seg = int(max(int(q_segments.max()), int(kv_segments.max()))) + 1 if q_segments.numel() else 1
     q_has, q_whole = _block_sets(q_segments, n_seg, block)
     k_has, k_whole = _block_sets(kv_segments, n_seg, block)
     shared = (q_has.to(torch.float32) @ k_has.to(torch.float32).T) > 0  # [Qb, KVb], exact: counts are small ints
@@ -124,6 +130,8 @@ class BlockSparseSegments:
         und_segments: int64 [und_len], the sample index of each text (understanding) token (non-decreasing).
         gen_segments: int64 [gen_len], the sample index of each vision (generation) token (non-decreasing).
         block: tile edge in tokens (:data:`DEFAULT_BLOCK`; tests use smaller tiles to exercise many tiles).
+        n_segments: the number of samples (segment indices are below it), so the masks are built without reading
+            the segments back to the host; ``None`` reads them.
 
     Attributes:
         und_mask: BlockMask [1, 1, und_len, und_len], text queries over text keys.
@@ -133,7 +141,8 @@ class BlockSparseSegments:
     block_sparse = True
     """Marks these segments for :class:`~cosmos_framework_ext.recipe.attention.PackedAttnProcessor` (flex path)."""
 
-    def __init__(self, und_segments: torch.Tensor, gen_segments: torch.Tensor, block: int = DEFAULT_BLOCK):
+    def __init__(self, und_segments: torch.Tensor, gen_segments: torch.Tensor, block: int = DEFAULT_BLOCK,
+                 n_segments: int | None = None):
         und = und_segments
         all_segments = torch.cat([und_segments, gen_segments])
         gen = gen_segments
@@ -146,8 +155,8 @@ class BlockSparseSegments:
 
         self.backend: str | None = None
         """:func:`flex_attend`'s ``backend`` (``None``: compiled on a GPU, eager operator on the CPU)."""
-        self.und_mask = segment_block_mask(und, und, und_rule, causal=True, block=block)
-        self.gen_mask = segment_block_mask(gen, all_segments, gen_rule, causal=False, block=block)
+        self.und_mask = segment_block_mask(und, und, und_rule, causal=True, block=block, n_segments=n_segments)
+        self.gen_mask = segment_block_mask(gen, all_segments, gen_rule, causal=False, block=block, n_segments=n_segments)
 
     def attend_und(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Text attention: q [und_len, H, D], k/v [und_len, Hkv, D] -> [und_len, H * D]."""

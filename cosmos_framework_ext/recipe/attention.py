@@ -170,23 +170,28 @@ def build_packed_inputs(
         timesteps.append(torch.full((n_gen,), float(sigmas[i]) * 1000.0))
     und_len = sum(len(x) for x in text_ids)
     gen_len = sum(s.numel() for s in gen_seg)
+    device = torch.device(device)
+    # built on the host, sent from pinned memory without a synchronize (a plain .to from pageable memory waits
+    # for everything the GPU has queued): the host can prepare this micro-batch while the GPU computes the last
+    put = (lambda t: t.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else (lambda t: t.to(device))
     seq = torch.arange(und_len, und_len + gen_len, device=device)
     kwargs = dict(
-        input_ids=torch.tensor([t for ids in text_ids for t in ids], dtype=torch.long, device=device),
+        input_ids=put(torch.tensor([t for ids in text_ids for t in ids], dtype=torch.long)),
         text_indexes=torch.arange(und_len, device=device),
-        position_ids=torch.cat(und_pos + gen_pos, dim=1).to(device),
+        position_ids=put(torch.cat(und_pos + gen_pos, dim=1)),
         und_len=und_len,
         sequence_length=und_len + gen_len,
         vision_tokens=latents,
         vision_token_shapes=shapes,
         vision_sequence_indexes=seq,
         vision_mse_loss_indexes=seq,
-        vision_timesteps=torch.cat(timesteps).to(device),
+        vision_timesteps=put(torch.cat(timesteps)),
         vision_noisy_frame_indexes=[torch.arange(s[0], device=device) for s in shapes],
     )
-    und_segments, gen_segments = torch.cat(und_seg).to(device), torch.cat(gen_seg).to(device)
+    und_segments, gen_segments = put(torch.cat(und_seg)), put(torch.cat(gen_seg))
     if impl == "flex":
         from cosmos_framework_ext.levers.attention_blocksparse import DEFAULT_BLOCK, BlockSparseSegments
 
-        return kwargs, BlockSparseSegments(und_segments, gen_segments, block or DEFAULT_BLOCK)
+        return kwargs, BlockSparseSegments(und_segments, gen_segments, block or DEFAULT_BLOCK,
+                                           n_segments=len(text_ids))
     return kwargs, PackedSegments(und_segments, gen_segments)

@@ -78,12 +78,22 @@ log = logging.getLogger("onecard.train")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Deterministic (seed, iteration, micro-batch) draw: logit-normal sigmas [n] and Gaussian noise."""
+def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size],
+                  pin: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Deterministic (seed, iteration, micro-batch) draw on the CPU: logit-normal sigmas [n] and Gaussian noise
+    (``pin``: the noise in pinned host memory, the same values, so it reaches the GPU without a synchronize)."""
     g = torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_009 + micro) % (1 << 63))  # any 63-bit seed
     sigmas = torch.sigmoid(torch.randn(len(shapes), generator=g))
-    noise = [torch.randn(s, generator=g) for s in shapes]
+    noise = [torch.randn(s, generator=g, pin_memory=pin) for s in shapes]
     return sigmas, noise
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor goes to a GPU from pinned memory without waiting for the GPU's queue (a
+    plain ``.to`` from pageable memory synchronizes the stream)."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 def _one_line(e: BaseException) -> str:
@@ -861,8 +871,11 @@ class CosmosSFT(skeleton.Recipe):
         it = iter(self.loader)
         for _ in range(self.consumed):  # fast-forward to where the checkpoint stopped (decoding is lazy)
             next(it)
-        def cached(batch):  # lever 4: the threads read latents instead of decoding videos
-            return [(s, self.latents.get(CacheItem(s.video_path, s.window, s.size))) for s in batch]
+        pin = self.device.type == "cuda"
+
+        def cached(batch):  # lever 4: the threads read latents instead of decoding videos (pinned: async to the GPU)
+            out = [(s, self.latents.get(CacheItem(s.video_path, s.window, s.size))) for s in batch]
+            return [(s, x.pin_memory() if pin else x) for s, x in out]
 
         def decoded(batch):  # the next micro-batches' videos decode on the threads
             for s in batch:
@@ -877,6 +890,9 @@ class CosmosSFT(skeleton.Recipe):
         self._stack.callback(self.mem.stop)
         self.peak_rss = host_rss()
         self.micro_times: list[float] = []
+        """Seconds per micro-batch: on a GPU the time between consecutive micro-batch ends on the GPU's stream (the
+        host runs ahead: it prepares the next micro-batch while the GPU still computes this one); on the CPU the wall
+        time."""
         self.ema_wait_s: list[float] = []
         self.trained = True
 
@@ -885,14 +901,25 @@ class CosmosSFT(skeleton.Recipe):
         if self._it is None:
             self._begin()
         t0 = time.perf_counter()
-        n_samples, loss_sum = 0, 0.0
+        cuda = self.device.type == "cuda"
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.ga + 1)] if cuda else []
+        if cuda:
+            ends[0].record()
+        n_samples, losses = 0, []
         for micro in range(self.ga):
             n, loss = self._micro_batch(step, micro)
             n_samples += n
-            loss_sum += loss
+            losses.append(loss)
+            if cuda:
+                ends[micro + 1].record()
         self._optimizer_step(step)
         self._sync()
         seconds = time.perf_counter() - t0
+        if cuda:
+            self.micro_times += [a.elapsed_time(b) / 1e3 for a, b in zip(ends, ends[1:])]
+        loss_sum = 0.0
+        for loss in losses:  # read once the step is done: no micro-batch waits for the GPU (the same float sum)
+            loss_sum += float(loss)
         self.done = step + 1
         self.peak_rss = max(self.peak_rss, host_rss())
         peak_gib = torch.cuda.max_memory_allocated(self.device) / GiB if self.device.type == "cuda" else 0.0
@@ -902,8 +929,11 @@ class CosmosSFT(skeleton.Recipe):
         return StepResult(loss=loss_sum, samples=n_samples, seconds=seconds,
                           postfix={"peak_gib": f"{peak_gib:.2f}", "ema_beta": ema_beta})
 
-    def _micro_batch(self, iteration: int, micro: int) -> tuple[int, float]:
-        """Encode, noise, forward and backward one packed micro-batch; returns (samples, loss)."""
+    def _micro_batch(self, iteration: int, micro: int) -> tuple[int, torch.Tensor]:
+        """Encode, noise, forward and backward one packed micro-batch; returns (samples, the loss as a 0-d tensor).
+
+        Nothing here waits for the GPU: host tensors reach it from pinned memory, and the loss is read only after
+        the optimizer step (:meth:`train_step`), so the host prepares the next micro-batch while the GPU computes."""
         t0 = time.perf_counter()
         batch = next(self._it)
         self.consumed += 1
@@ -911,13 +941,14 @@ class CosmosSFT(skeleton.Recipe):
         with mem.phase("encode"), self.vae_on_device(), torch.no_grad():
             if self.latents is not None:  # lever 4: the stored output of the same online_latent call
                 batch, stored = [s for s, _ in batch], [x for _, x in batch]
-                x0 = [x.to(device).float() for x in stored]
+                x0 = [_to_device(x, device).float() for x in stored]
             else:
                 x0 = [online_latent(self.vae, s.video, device, self.vae_dtype).float() for s in batch]
-        sigmas, noise = _sample_noise(self.cfg.onecard.seed, iteration, micro, [x.shape for x in x0])
+        sigmas, noise = _sample_noise(self.cfg.onecard.seed, iteration, micro, [x.shape for x in x0],
+                                      pin=device.type == "cuda")
         xt, targets = [], []
         for x, e, sg in zip(x0, noise, sigmas):
-            a, v = flow_matching_inputs(x, e.to(device), float(sg))
+            a, v = flow_matching_inputs(x, _to_device(e, device), float(sg))
             xt.append(a.to(self.dtype))
             targets.append(v)
         tok = self.tokenizer
@@ -930,11 +961,10 @@ class CosmosSFT(skeleton.Recipe):
             loss = micro_batch_loss(preds, targets, self.cfg.onecard.loss_scale, self.ga)
         with mem.phase("backward"):
             loss.backward()
-        value = float(loss.detach())
         self.proc.segments = None
-        self._sync()
-        self.micro_times.append(time.perf_counter() - t0)
-        return len(batch), value
+        if device.type != "cuda":
+            self.micro_times.append(time.perf_counter() - t0)
+        return len(batch), loss.detach()
 
     def _optimizer_step(self, iteration: int) -> None:
         """Grad clip + AdamW + schedule, then the EMA update (its critical-path time is recorded)."""
