@@ -13,6 +13,8 @@ import zipfile
 import pytest
 import torch
 
+from tests.equivalence.test_checkpoint_stream import flat as leaves  # (path, tensor) of every leaf
+
 from patches.core import streamsave
 from patches.core.io import atomic_torch_save
 from patches.core.streamsave import Deferred, holds_deferred
@@ -47,15 +49,6 @@ def sample(maker: Maker) -> tuple[dict, dict]:
     return obj, ref
 
 
-def leaves(obj, prefix=""):
-    if torch.is_tensor(obj):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from leaves(v, f"{prefix}/{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from leaves(v, f"{prefix}/{i}")
 
 
 def same(a: dict, b: dict) -> bool:
