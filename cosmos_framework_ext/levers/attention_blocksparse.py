@@ -61,9 +61,9 @@ def _block_sets(segments: torch.Tensor, n_segments: int, block: int) -> tuple[to
     tile = torch.arange(n, device=segments.device) // block
     has = torch.zeros(n_blocks, n_segments, dtype=torch.bool, device=segments.device)
     has.index_put_((tile, segments), torch.ones((), dtype=torch.bool, device=segments.device))  # no host scalar copy
-    complete = torch.full((n_blocks,), block, device=segments.device)
-    if n % block:
-        complete[-1] = n % block
+    # tokens per tile: block, the last tile's remainder (computed on the device: a Python value written into a
+    # GPU tensor is a host-to-device copy that waits for the GPU's queue)
+    complete = (n - torch.arange(n_blocks, device=segments.device) * block).clamp(max=block)
     whole = (has.sum(-1) == 1) & (complete == block)
     return has, whole
 
