@@ -112,6 +112,36 @@ def install(model: torch.nn.Module) -> PackedAttnProcessor:
     return proc
 
 
+def _sample_layout(model_config: Any, text_ids: list[list[int]], latents: list[torch.Tensor], sigmas: torch.Tensor,
+                   fps: list[float]) -> tuple[list, list, list, list, list, list]:
+    """Per sample, on the host: text and vision mRoPE positions (float), text and vision segment indices (int64),
+    the vision token grid ``(T, H/p, W/p)`` and the vision tokens' timesteps (``1000 * sigma``)."""
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import (
+        get_3d_mrope_ids_text_tokens,
+        get_3d_mrope_ids_vae_tokens,
+    )
+
+    p = model_config.latent_patch_size
+    und_pos, gen_pos, und_seg, gen_seg, shapes, timesteps = [], [], [], [], [], []
+    for i, (ids, lat) in enumerate(zip(text_ids, latents)):
+        pos, nxt = get_3d_mrope_ids_text_tokens(len(ids), 0)
+        und_pos.append(pos.float())
+        _, _, t, h, w = lat.shape
+        gt, gh, gw = t, -(-h // p), -(-w // p)
+        vpos, _ = get_3d_mrope_ids_vae_tokens(
+            gt, gh, gw, temporal_offset=nxt + model_config.unified_3d_mrope_temporal_modality_margin,
+            reset_spatial_indices=model_config.unified_3d_mrope_reset_spatial_ids,
+            fps=fps[i] if model_config.enable_fps_modulation else None, base_fps=model_config.base_fps,
+        )
+        gen_pos.append(vpos.float())
+        n_gen = gt * gh * gw
+        und_seg.append(torch.full((len(ids),), i, dtype=torch.long))
+        gen_seg.append(torch.full((n_gen,), i, dtype=torch.long))
+        shapes.append((gt, gh, gw))
+        timesteps.append(torch.full((n_gen,), float(sigmas[i]) * 1000.0))
+    return und_pos, gen_pos, und_seg, gen_seg, shapes, timesteps
+
+
 def build_packed_inputs(
     model_config: Any,
     text_ids: list[list[int]],
@@ -145,29 +175,7 @@ def build_packed_inputs(
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {list(ATTENTION_IMPLS)}")
-    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import (
-        get_3d_mrope_ids_text_tokens,
-        get_3d_mrope_ids_vae_tokens,
-    )
-
-    p = model_config.latent_patch_size
-    und_pos, gen_pos, und_seg, gen_seg, shapes, timesteps = [], [], [], [], [], []
-    for i, (ids, lat) in enumerate(zip(text_ids, latents)):
-        pos, nxt = get_3d_mrope_ids_text_tokens(len(ids), 0)
-        und_pos.append(pos.float())
-        _, _, t, h, w = lat.shape
-        gt, gh, gw = t, -(-h // p), -(-w // p)
-        vpos, _ = get_3d_mrope_ids_vae_tokens(
-            gt, gh, gw, temporal_offset=nxt + model_config.unified_3d_mrope_temporal_modality_margin,
-            reset_spatial_indices=model_config.unified_3d_mrope_reset_spatial_ids,
-            fps=fps[i] if model_config.enable_fps_modulation else None, base_fps=model_config.base_fps,
-        )
-        gen_pos.append(vpos.float())
-        n_gen = gt * gh * gw
-        und_seg.append(torch.full((len(ids),), i, dtype=torch.long))
-        gen_seg.append(torch.full((n_gen,), i, dtype=torch.long))
-        shapes.append((gt, gh, gw))
-        timesteps.append(torch.full((n_gen,), float(sigmas[i]) * 1000.0))
+    und_pos, gen_pos, und_seg, gen_seg, shapes, timesteps = _sample_layout(model_config, text_ids, latents, sigmas, fps)
     und_len = sum(len(x) for x in text_ids)
     gen_len = sum(s.numel() for s in gen_seg)
     device = torch.device(device)
