@@ -111,3 +111,11 @@ def test_selective_checkpointing_adds_the_kept_attention_outputs(tmp_path):
     upstream_default = tmp_path / "fmha.toml"  # upstream's ["fmha"] names no op of the embedded trainer: nothing kept
     upstream_default.write_text(TOML.read_text().replace('mode                = "full"', 'mode                = "selective"', 1))
     assert cosmos_ledger(cfgmod.load(upstream_default), "edge", LEVERS, device_type="cuda").gpu_allocated == full.gpu_allocated
+
+
+def test_a_save_ops_regex_that_is_not_a_regular_expression_is_one_error(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(TOML.read_text().replace('save_ops_regex      = ["fmha"]', 'save_ops_regex      = ["fmha", "("]', 1))
+    assert ledgermod.main(["--toml", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "save_ops_regex '(' is not a regular expression" in err[0]

@@ -499,8 +499,6 @@ HONOURED_BAD = [
     ('distributed_parallelism = "fsdp"', 'distributed_parallelism = "ddp"', "distributed_parallelism = 'ddp'"),
     ('joint_attn_implementation    = "two_way"', 'joint_attn_implementation    = "one_way"', "'one_way' is not implemented"),
     ('mode                = "full"', 'mode                = "partial"', "mode = 'partial' is not implemented"),
-    ('mode                = "full"\nsave_ops_regex      = ["fmha"]', 'mode                = "selective"\nsave_ops_regex      = ["fmha", "("]',
-     "save_ops_regex '(' is not a regular expression"),
     ("data_parallel_replicate_degree  = 1", "data_parallel_replicate_degree  = 2", "shards over every rank"),
     ("data_parallel_shard_degree      = -1", "data_parallel_shard_degree      = 4", "use -1 (or the world size, 1)"),
     ("f_max              = [1.0]", "f_max              = [0.0]", "the learning rate would stay 0"),

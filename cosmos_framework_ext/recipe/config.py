@@ -402,6 +402,12 @@ def from_dict(data: Mapping[str, Any], source: Path | None = None) -> SFTConfig:
     for key in _NOT_UPSTREAM:
         if getattr(par, key) not in DTYPES:
             raise ConfigError(f"{where}: [model.parallelism] {key} = {getattr(par, key)!r}; use one of {list(DTYPES)}")
+    for pattern in cfg.model.activation_checkpointing.save_ops_regex:  # the ledger and both trainers read them
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"{where}: [model.activation_checkpointing] save_ops_regex {pattern!r} is not a regular "
+                              f"expression ({e}): give Python regular expressions (e.g. \"flex_attention\")") from None
     cfg.source = source
     return cfg
 

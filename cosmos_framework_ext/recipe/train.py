@@ -61,7 +61,7 @@ from patches.core.device import gpu_budget_bytes, pick_device
 from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
-from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing, save_policy
+from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
 from cosmos_framework_ext.recipe.ledger import cosmos_ledger, summary_line
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
@@ -457,8 +457,7 @@ class CosmosSFT(skeleton.Recipe):
         Raises:
             UserError: a setting the embedded trainer would not honour (``precision`` other than bfloat16/float32,
                 ``distributed_parallelism`` other than fsdp, ``joint_attn_implementation`` other than two_way,
-                activation checkpointing other than full/selective/none (or a
-                ``save_ops_regex`` that is not a regular expression), shard/replicate degrees other than all ranks); a
+                activation checkpointing other than full/selective/none, shard/replicate degrees other than all ranks); a
                 peak learning rate ``lr x max(f_max, f_start)`` above 1 or a schedule that never rises above 0;
                 ``lr x weight_decay`` >= 1 (AdamW's decay factor ``1 - lr x wd`` would flip or zero the weights);
                 an empty ``keys_to_select`` pattern (it matches every parameter); a ``[job]`` project/group/name
@@ -474,13 +473,6 @@ class CosmosSFT(skeleton.Recipe):
                 raise UserError(f"{src}: {where} = {value!r} is not implemented by the embedded trainer (it runs "
                                 f"{' or '.join(map(repr, ok))}): use one of those, or run upstream's trainer "
                                 "(COSMOS_FRAMEWORK_ROOT)")
-        ac = c.model.activation_checkpointing
-        if ac.mode == "selective":
-            try:
-                save_policy(ac.save_ops_regex)
-            except ValueError as e:
-                raise UserError(f"{src}: [model.activation_checkpointing] {e}: give Python regular expressions "
-                                "(e.g. \"flex_attention\")") from None
         par = c.model.parallelism
         if par.data_parallel_replicate_degree != 1 or par.data_parallel_shard_degree not in (-1, self.world):
             raise UserError(f"{src}: [model.parallelism] data_parallel_shard_degree = {par.data_parallel_shard_degree}, "
