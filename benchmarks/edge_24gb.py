@@ -455,7 +455,6 @@ def _main(argv: list[str] | None) -> int:
     # <date>_cosmos_<gpu>_edge24gb, a smoke's ending in -smoke: a smoke never replaces the GPU results
     stem = result_stem("cosmos", "edge24gb", "cpu" if args.smoke or not torch.cuda.is_available()
                        else torch.cuda.get_device_name(), smoke=args.smoke)
-    free_targets("--out", args.out, [f"{stem}.json", f"{stem}.md"])
     chosen = [c for c in every if c.name in only] if only else CONFIGS
     ran = {c.name for c in chosen}
     if args.timelines is None:  # the default names a row that --only may leave out: keep what runs
@@ -469,7 +468,11 @@ def _main(argv: list[str] | None) -> int:
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
         raise UserError("this benchmark needs a CUDA GPU (or --smoke for the CPU smoke with the tiny preset)")
-    if any(c.capped for c in chosen):
+    # every file this run will write, checked before any row runs: the results, the kept timelines, the traces
+    free_targets("--out", args.out, [f"{stem}.json", f"{stem}.md"]
+                 + [f"{stem}-{slug(t)}-memory.{ext}" for t in timelines for ext in ("csv", "png")]
+                 + [f"{stem}-{slug(n)}-profile-trace.json.gz" for n in profiles])
+    if any(c.capped for c in chosen + [c for c in every if c.name in profiles]):
         at_most_card("--budget-gib", args.budget_gib)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.cuda.get_device_name() if cuda else "cpu"

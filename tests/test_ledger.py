@@ -113,9 +113,14 @@ def test_selective_checkpointing_adds_the_kept_attention_outputs(tmp_path):
     assert cosmos_ledger(cfgmod.load(upstream_default), "edge", LEVERS, device_type="cuda").gpu_allocated == full.gpu_allocated
 
 
-def test_a_save_ops_regex_that_is_not_a_regular_expression_is_one_error(tmp_path, capsys):
+@pytest.mark.parametrize("old,new,needle", [
+    ('save_ops_regex      = ["fmha"]', 'save_ops_regex      = ["fmha", "("]', "save_ops_regex '(' is not a regular expression"),
+    ('save_ops_regex      = ["fmha"]', 'save_ops_regex      = [" "]', "save_ops_regex holds an empty pattern"),
+    ('mode                = "full"', 'mode                = "partial"', "mode = 'partial'; use one of"),
+], ids=["bad-regex", "empty-pattern", "unknown-mode"])
+def test_a_save_ops_regex_that_is_not_a_regular_expression_is_one_error(tmp_path, capsys, old, new, needle):
     bad = tmp_path / "bad.toml"
-    bad.write_text(TOML.read_text().replace('save_ops_regex      = ["fmha"]', 'save_ops_regex      = ["fmha", "("]', 1))
+    bad.write_text(TOML.read_text().replace(old, new, 1))
     assert ledgermod.main(["--toml", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "save_ops_regex '(' is not a regular expression" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err

@@ -498,7 +498,6 @@ HONOURED_BAD = [
      "[model].precision = 'float16' is not implemented"),
     ('distributed_parallelism = "fsdp"', 'distributed_parallelism = "ddp"', "distributed_parallelism = 'ddp'"),
     ('joint_attn_implementation    = "two_way"', 'joint_attn_implementation    = "one_way"', "'one_way' is not implemented"),
-    ('mode                = "full"', 'mode                = "partial"', "mode = 'partial' is not implemented"),
     ("data_parallel_replicate_degree  = 1", "data_parallel_replicate_degree  = 2", "shards over every rank"),
     ("data_parallel_shard_degree      = -1", "data_parallel_shard_degree      = 4", "use -1 (or the world size, 1)"),
     ("f_max              = [1.0]", "f_max              = [0.0]", "the learning rate would stay 0"),

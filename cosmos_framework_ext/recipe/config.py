@@ -116,6 +116,10 @@ class CompileConfig:
     dynamic shapes, one more compile at the first length change). Never one compile per micro-batch length."""
 
 
+AC_MODES = ("full", "selective", "none")
+"""``[model.activation_checkpointing] mode`` values (upstream's; the embedded trainer runs each)."""
+
+
 @dataclasses.dataclass
 class ActivationCheckpointingConfig:
     """``[model.activation_checkpointing]``: recompute activations in the backward pass."""
@@ -402,7 +406,13 @@ def from_dict(data: Mapping[str, Any], source: Path | None = None) -> SFTConfig:
     for key in _NOT_UPSTREAM:
         if getattr(par, key) not in DTYPES:
             raise ConfigError(f"{where}: [model.parallelism] {key} = {getattr(par, key)!r}; use one of {list(DTYPES)}")
-    for pattern in cfg.model.activation_checkpointing.save_ops_regex:  # the ledger and both trainers read them
+    ac = cfg.model.activation_checkpointing
+    if ac.mode not in AC_MODES:
+        raise ConfigError(f"{where}: [model.activation_checkpointing] mode = {ac.mode!r}; use one of {list(AC_MODES)}")
+    for pattern in ac.save_ops_regex:  # the ledger and both trainers read them
+        if not pattern.strip():
+            raise ConfigError(f"{where}: [model.activation_checkpointing] save_ops_regex holds an empty pattern, which "
+                              "matches every op (nothing would be recomputed): remove it")
         try:
             re.compile(pattern)
         except re.error as e:
