@@ -156,6 +156,8 @@ def _cap_and_report(rank: str) -> None:
     atexit.register(report)
     if history:
         atexit.register(dump_history)  # atexit runs last-registered first: the report then follows
+        _AT_STOP.append(dump_history)
+    _AT_STOP.append(report)
 
 
 def token_split(data: dict) -> list[tuple[int, int]]:
@@ -176,8 +178,160 @@ def token_split(data: dict) -> list[tuple[int, int]]:
     return out
 
 
-def _time_steps(rank: str) -> None:
-    """Wrap upstream's ``ImaginaireTrainer.training_step`` to print each micro-batch's seconds and token split."""
+def _profile_spec(rank: str) -> tuple[int, int] | None:
+    """``ONECARD_MEMCAP_PROFILE=FIRST[:COUNT]`` as (first call, count) of ``training_step`` (1-based; COUNT default
+    4); ``None`` when unset. A bad value exits 2 with one line."""
+    raw = os.environ.get("ONECARD_MEMCAP_PROFILE", "").strip()
+    if not raw:
+        return None
+    first, _, count = raw.partition(":")
+    count = count or "4"
+    if not (first.isdigit() and count.isdigit() and int(first) >= 1 and int(count) >= 1):
+        print(f"onecard memcap[rank {rank}]: error: ONECARD_MEMCAP_PROFILE={raw!r} must be FIRST[:COUNT], the first "
+              "training_step call to profile and how many (whole numbers >= 1, e.g. 3:4), or unset", file=sys.stderr)
+        sys.exit(2)
+    return int(first), int(count)
+
+
+def _stop_after(rank: str) -> int | None:
+    """``ONECARD_MEMCAP_STOP_AFTER=N`` (a whole number >= 1): calls of ``training_step`` after which the rank
+    reports its peak and exits 0; ``None`` when unset. A bad value exits 2 with one line."""
+    raw = os.environ.get("ONECARD_MEMCAP_STOP_AFTER", "").strip()
+    if not raw:
+        return None
+    if not (raw.isdigit() and int(raw) >= 1):
+        print(f"onecard memcap[rank {rank}]: error: ONECARD_MEMCAP_STOP_AFTER={raw!r} must be a whole number of "
+              "training_step calls >= 1 (e.g. 6), or unset", file=sys.stderr)
+        sys.exit(2)
+    return int(raw)
+
+
+def _decoder_layers(model) -> list:
+    """The children of the first ``ModuleList`` named ``...layers`` with two or more entries (upstream's decoder
+    stack, ``net.model.layers``), or ``[]``."""
+    import torch
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and name.split(".")[-1] == "layers" and len(mod) >= 2:
+            return list(mod)
+    return []
+
+
+class _Profiler:
+    """torch.profiler over calls ``first .. first+count-1`` of upstream's ``training_step``, marked the way
+    ``benchmarks/breakdown.py`` reads: each call ``onecard.micro_batch`` (``onecard.optimizer_micro_batch`` for
+    the last of an accumulation window, which also runs the optimizer step, so that the breakdown's micro-batch is
+    the plain one), upstream's own ``training_timer("forward")`` / ``("backward")`` regions ``onecard.forward`` /
+    ``onecard.backward`` (each with a device synchronize at its start and end), and each decoder layer's call
+    ``onecard.layer.<i>`` (forward hooks outside the compiled block: forward only). After the last call the Chrome
+    trace is written to ``DIR/upstream-profile-rank<R>-trace.json.gz`` and :func:`breakdown.breakdown` of it to
+    ``DIR/upstream-profile-rank<R>.json`` (DIR: ``ONECARD_MEMCAP_PROFILE_DIR``, else ``OUTPUT_ROOT``, else the
+    working directory), and its table is printed."""
+
+    def __init__(self, rank: str, first: int, count: int):
+        self.rank, self.first, self.last = rank, first, first + count - 1
+        self.dir = os.path.abspath(os.environ.get("ONECARD_MEMCAP_PROFILE_DIR") or os.environ.get("OUTPUT_ROOT")
+                                   or os.getcwd())
+        self.prof = None
+        self.hooks: list = []
+        self.layer = 0
+
+    def wanted(self, call: int) -> bool:
+        return self.first <= call <= self.last
+
+    def start(self, model) -> None:
+        import torch
+
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=acts)
+        self.prof.__enter__()
+        for layer in _decoder_layers(model):
+            self.hooks.append(layer.register_forward_pre_hook(self._enter_layer))
+            self.hooks.append(layer.register_forward_hook(self._exit_layer))
+
+    def _enter_layer(self, module, args) -> None:
+        import torch
+
+        rf = torch.profiler.record_function(f"onecard.layer.{self.layer}")
+        self.layer += 1
+        rf.__enter__()
+        module._onecard_mark = rf
+
+    def _exit_layer(self, module, args, output) -> None:
+        rf = module.__dict__.pop("_onecard_mark", None)
+        if rf is not None:
+            rf.__exit__(None, None, None)
+
+    def finish(self) -> None:
+        import json
+
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        os.makedirs(self.dir, exist_ok=True)
+        trace = os.path.join(self.dir, f"upstream-profile-rank{self.rank}-trace.json")
+        prof.export_chrome_trace(trace)
+        sys.path.insert(0, os.path.dirname(HERE))
+        from breakdown import breakdown, markdown_table
+
+        with open(trace) as fh:
+            result = breakdown(json.load(fh))
+        import gzip
+        import shutil
+
+        with open(trace, "rb") as src, gzip.open(trace + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(trace)
+        out = os.path.join(self.dir, f"upstream-profile-rank{self.rank}.json")
+        with open(out, "w") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"onecard memcap[rank {self.rank}]: profile of training_step calls {self.first}-{self.last} -> {out}, "
+              f"trace {trace}.gz\n{markdown_table(result)}", file=sys.stderr, flush=True)
+
+
+class _MarkedTimer:
+    """Stands in for upstream's ``trainer.training_timer`` during a profiled call: ``timer(name)`` is still the
+    timer's own context, inside a ``record_function("onecard.<phase>")`` with a synchronize at both ends."""
+
+    PHASES = {"forward": "forward", "backward": "backward"}
+
+    def __init__(self, timer):
+        self._timer = timer
+
+    def __getattr__(self, name: str):
+        return getattr(self._timer, name)
+
+    def __call__(self, func_name: str):
+        import contextlib
+
+        import torch
+
+        inner = self._timer(func_name)
+        phase = self.PHASES.get(func_name)
+        if phase is None:
+            return inner
+
+        @contextlib.contextmanager
+        def marked():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            with torch.profiler.record_function(f"onecard.{phase}"):
+                with inner:
+                    yield
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+
+        return marked()
+
+
+def _wrap_training_step(rank: str, timing: bool, profile: tuple[int, int] | None, stop_after: int | None) -> None:
+    """Wrap upstream's ``ImaginaireTrainer.training_step``: with ``timing``, print each micro-batch's seconds and
+    token split; with ``profile``, run :class:`_Profiler` over those calls; with ``stop_after``, after that many
+    calls print the peak and exit 0 (no final checkpoint)."""
     import json
 
     import torch
@@ -185,20 +339,58 @@ def _time_steps(rank: str) -> None:
 
     original = upstream_trainer.ImaginaireTrainer.training_step
     count = [0]
+    prof = _Profiler(rank, *profile) if profile else None
+    cuda = torch.cuda.is_available()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
     def training_step(self, *args, **kwargs):
         data = kwargs.get("data", args[4] if len(args) > 4 else {})
-        split = token_split(data)
-        torch.cuda.synchronize()
+        accum = kwargs.get("grad_accum_iter", args[6] if len(args) > 6 else 0)
+        split = token_split(data) if timing else None
+        call = count[0] + 1
+        profiled = prof is not None and prof.wanted(call)
+        if profiled and prof.prof is None:
+            model = kwargs.get("model_ddp", args[0] if args else None)
+            prof.start(model if model is not None else torch.nn.Module())
+        sync()
         t = time.perf_counter()
-        out = original(self, *args, **kwargs)
-        torch.cuda.synchronize()
-        count[0] += 1
-        print(f"onecard memcap[rank {rank}]: micro-batch {count[0]} {time.perf_counter() - t:.4f} s samples "
-              f"{json.dumps(split)}", file=sys.stderr, flush=True)
+        if profiled:
+            optimizer = accum + 1 == self.config.trainer.grad_accum_iter
+            timer, self.training_timer = self.training_timer, _MarkedTimer(self.training_timer)
+            prof.layer = 0
+            try:
+                name = "onecard.optimizer_micro_batch" if optimizer else "onecard.micro_batch"
+                with torch.profiler.record_function(name):
+                    out = original(self, *args, **kwargs)
+            finally:
+                self.training_timer = timer
+        else:
+            out = original(self, *args, **kwargs)
+        sync()
+        count[0] = call
+        if timing:
+            print(f"onecard memcap[rank {rank}]: micro-batch {call} {time.perf_counter() - t:.4f} s samples "
+                  f"{json.dumps(split)}", file=sys.stderr, flush=True)
+        if prof is not None and call == prof.last:
+            prof.finish()
+        if stop_after is not None and call >= stop_after:
+            print(f"onecard memcap[rank {rank}]: stopping after {call} training_step calls "
+                  "(ONECARD_MEMCAP_STOP_AFTER)", file=sys.stderr, flush=True)
+            for fn in _AT_STOP:
+                fn()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         return out
 
     upstream_trainer.ImaginaireTrainer.training_step = training_step
+
+
+_AT_STOP: list = []
+"""Reports to run before an ``ONECARD_MEMCAP_STOP_AFTER`` exit (``os._exit`` skips ``atexit``)."""
 
 
 def _wandb_compat() -> None:
@@ -237,12 +429,13 @@ def main(argv: list[str]) -> None:
         print(f"onecard memcap: error: no module named {module!r} from {os.getcwd()}: run from the folder that "
               "holds it (torchrun's working directory) or fix the name", file=sys.stderr)
         sys.exit(2)
-    _steps_on(os.environ.get("RANK", "0"))  # a bad value stops here, before the cap and the module
-    _cap_and_report(os.environ.get("RANK", "0"))
+    rank = os.environ.get("RANK", "0")
+    timing, profile, stop = _steps_on(rank), _profile_spec(rank), _stop_after(rank)  # bad values stop here
+    _cap_and_report(rank)
     _wandb_compat()
     sys.path[0] = os.getcwd()
-    if _steps_on(os.environ.get("RANK", "0")):
-        _time_steps(os.environ.get("RANK", "0"))
+    if timing or profile or stop:
+        _wrap_training_step(rank, timing, profile, stop)
     sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
