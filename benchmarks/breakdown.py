@@ -47,6 +47,11 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
 _COMPILED = [(c, re.compile(p)) for c, p in CATEGORIES]
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+HOST_CATS = {"cpu_op", "user_annotation"}
+SYNC_RX = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpyDtoH|_local_scalar_dense")
+"""Host events that wait for the device: the runtime's synchronize calls, a synchronous ``cudaMemcpy`` and the
+``aten::_local_scalar_dense`` of ``.item()`` (the wait itself shows as GPU idle after the device drains)."""
+LAUNCH_RX = re.compile(r"Launch|^cudaMemcpyAsync$|^cudaMemsetAsync$")
 
 
 def categorize(name: str) -> str:
@@ -85,7 +90,10 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         ``{"micro_batches": n, "wall_s", "gpu_busy_s", "idle_s", "phases": {phase: {"wall_s", "gpu_busy_s",
         "idle_s", "kernels_s": {category: s}}}, "categories_s": {category: s}, "recompute_s", "layers":
         {"forward_s": [...], "recompute_s": [...]}, "top_kernels": [{"name", "category", "count", "s"}]}``, every
-        time in seconds per micro-batch; phase ``"host and data"`` is the micro-batch's time outside the three
+        time in seconds per micro-batch, plus ``"host": {phase: {"launches", "syncs": {"count", "s"}, "ops":
+        [{"name", "count", "s"}]}}`` (launch calls, device waits (:data:`SYNC_RX`; each phase window's own two
+        synchronizes included) and the ``top`` host ops by inclusive time, per micro-batch) and
+        ``layers["forward_wall_s"]`` (each layer mark's wall time in the forward); phase ``"host and data"`` is the micro-batch's time outside the three
         phases (fetching the batch, noise, packing, the loss's host read).
 
     Raises:
@@ -97,7 +105,12 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
     if not micro:
         raise ValueError("the trace has no onecard.micro_batch mark: profile through ProfiledMicroBatches")
     n = len(micro)
-    phase_win = {p: sorted((e["ts"], e["ts"] + e["dur"]) for e in marks if e["name"] == PREFIX + p) for p in PHASES}
+    def inside(e) -> bool:  # a phase mark counts only inside a profiled micro-batch (not e.g. an optimizer one)
+        i = bisect_right(micro, (e["ts"], float("inf"))) - 1
+        return i >= 0 and micro[i][0] <= e["ts"] and e["ts"] + e["dur"] <= micro[i][1]
+
+    phase_win = {p: sorted((e["ts"], e["ts"] + e["dur"]) for e in marks if e["name"] == PREFIX + p and inside(e))
+                 for p in PHASES}
     layer_marks = defaultdict(list)  # tid -> [(start, end, layer)]
     for e in marks:
         m = re.fullmatch(re.escape(PREFIX) + r"layer\.(\d+)", e["name"])
@@ -153,6 +166,26 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         pk[0] += 1
         pk[1] += dur
 
+    host = {p: {"launches": 0, "syncs": [0, 0.0], "ops": defaultdict(lambda: [0, 0.0])} for p in names}
+    for e in ev:
+        cat, name = e.get("cat"), str(e.get("name", ""))
+        if (cat not in LAUNCH_CATS and cat not in HOST_CATS) or name.startswith(PREFIX) or where(e["ts"], micro) is None:
+            continue
+        h = host[next((p for p in PHASES if where(e["ts"], phase_win[p]) is not None), "host and data")]
+        if cat in LAUNCH_CATS and LAUNCH_RX.search(name):
+            h["launches"] += 1
+        if SYNC_RX.search(name):
+            h["syncs"][0] += 1
+            h["syncs"][1] += e["dur"] / 1e6
+        if cat in HOST_CATS:
+            h["ops"][name][0] += 1
+            h["ops"][name][1] += e["dur"] / 1e6
+    layer_wall = defaultdict(float)
+    for v in layer_marks.values():
+        for a, b, k in v:
+            if where(a, phase_win["forward"]) is not None:
+                layer_wall[k] += (b - a) / 1e6
+
     def wall(wins):
         return sum(b - a for a, b in wins) / 1e6
 
@@ -171,7 +204,12 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         "idle_s": max(micro_wall - all_busy, 0.0) / n, "phases": phases,
         "categories_s": {c: s / n for c, s in sorted(cats_total.items(), key=lambda kv: -kv[1])},
         "recompute_s": recompute / n,
-        "layers": {"forward_s": [layer_fwd[k] / n for k in layers], "recompute_s": [layer_rec[k] / n for k in layers]},
+        "layers": {"forward_s": [layer_fwd[k] / n for k in layers], "recompute_s": [layer_rec[k] / n for k in layers],
+                   "forward_wall_s": [layer_wall[k] / n for k in layers]},
+        "host": {p: {"launches": h["launches"] // n, "syncs": {"count": h["syncs"][0] // n, "s": h["syncs"][1] / n},
+                     "ops": [{"name": k[:120], "count": c // n or c, "s": t / n}
+                             for k, (c, t) in sorted(h["ops"].items(), key=lambda kv: -kv[1][1])[:top]]}
+                 for p, h in host.items()},
         "top_kernels": [{"name": name[:120], "category": categorize(name), "count": c // n or c, "s": s / n}
                         for name, (c, s) in tops],
     }
@@ -323,6 +361,14 @@ def markdown_table(b: dict[str, Any], unprofiled_s: float | None = None) -> str:
     if fw:
         lines += ["", f"Decoder layers ({len(fw)}): forward {ms(min(fw))}–{ms(max(fw))} ms each (sum {ms(sum(fw))}),"
                   f" recompute {ms(min(rc or [0]))}–{ms(max(rc or [0]))} ms each (sum {ms(sum(rc))})."]
+        wl = b["layers"].get("forward_wall_s") or []
+        if wl:
+            lines[-1] += f" Forward wall per layer {ms(min(wl))}–{ms(max(wl))} ms (sum {ms(sum(wl))})."
+    if b.get("host"):
+        lines += ["", "| phase | launches | device waits | wait ms | top host ops (inclusive ms) |", "|---|---|---|---|---|"]
+        for p, h in b["host"].items():
+            ops = "; ".join(f"`{o['name'][:48]}` ×{o['count']} {ms(o['s'])}" for o in h["ops"][:6])
+            lines.append(f"| {p} | {h['launches']} | {h['syncs']['count']} | {ms(h['syncs']['s'])} | {ops} |")
     lines += ["", "| kernel | category | launches / micro-batch | ms / micro-batch |", "|---|---|---|---|"]
     for k in b["top_kernels"]:
         lines.append(f"| `{k['name'][:70]}` | {k['category']} | {k['count']} | {ms(k['s'])} |")

@@ -77,7 +77,8 @@ def test_events_go_to_the_phase_and_layer_that_launched_them():
     assert ph["backward"]["idle_s"] == pytest.approx(435e-6)
     assert b["recompute_s"] == pytest.approx(40e-6)
     assert b["layers"] == {"forward_s": [pytest.approx(40e-6), pytest.approx(80e-6)],
-                           "recompute_s": [0.0, pytest.approx(40e-6)]}
+                           "recompute_s": [0.0, pytest.approx(40e-6)],
+                           "forward_wall_s": [pytest.approx(90e-6), pytest.approx(100e-6)]}
     assert b["gpu_busy_s"] == pytest.approx(210e-6)  # the union: the forward GEMM still running at 505..535 overlaps the recompute GEMM by 5 us; the event launched outside is not counted
     assert b["categories_s"]["GEMM"] == pytest.approx(110e-6)
     assert b["top_kernels"][0]["name"] == "sm90_xmma_gemm_bf16bf16_bf16f32" and b["top_kernels"][0]["count"] == 2
@@ -136,3 +137,27 @@ def test_profile_names_known_configurations(bench, tmp_path, value, capsys):
     assert bench.main(["--smoke", "--grad-accum", "1", "--profile", value, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "--profile" in err and not list(tmp_path.iterdir())
+
+
+def test_host_side_launches_waits_and_ops_per_phase():
+    t = trace()
+    t["traceEvents"] += [
+        {"ph": "X", "cat": "cpu_op", "name": "FSDP::pre_forward", "ts": 205, "dur": 4, "tid": MAIN},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 450, "dur": 20, "tid": MAIN},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::_local_scalar_dense", "ts": 600, "dur": 3, "tid": AUTOGRAD},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1200, "dur": 50, "tid": MAIN},  # after the micro-batch
+        ann("forward", 1150, 200),  # a phase mark outside every micro-batch (an optimizer call's): ignored
+    ]
+    b = bd.breakdown(t)
+    h = b["host"]
+    assert h["forward"]["launches"] == 3 and h["backward"]["launches"] == 3 and h["encode"]["launches"] == 1
+    assert h["host and data"]["launches"] == 1
+    assert h["forward"]["syncs"] == {"count": 1, "s": pytest.approx(20e-6)}
+    assert h["backward"]["syncs"] == {"count": 1, "s": pytest.approx(3e-6)}
+    assert h["forward"]["ops"] == [{"name": "FSDP::pre_forward", "count": 1, "s": pytest.approx(4e-6)}]
+    assert all(o["name"] != "aten::mm" for p in h.values() for o in p["ops"])
+    assert b["phases"]["forward"]["wall_s"] == pytest.approx(300e-6)
+    assert b["layers"]["forward_wall_s"] == [pytest.approx(90e-6), pytest.approx(100e-6)]
+    md = bd.markdown_table(b)
+    assert "| forward | 3 | 1 | 0.0 | `FSDP::pre_forward` ×1 0.0 |" in md
+    assert "Forward wall per layer 0.1–0.1 ms" in md
