@@ -119,7 +119,9 @@ class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.model = torch.nn.Module()
-        self.model.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+        # compiled blocks, as upstream's are (an OptimizedModule hands attributes set on it to the inner module)
+        self.model.layers = torch.nn.ModuleList(torch.compile(torch.nn.Linear(4, 4), backend="eager")
+                                                for _ in range(3))
 
     def forward(self, x):
         for layer in self.model.layers:
@@ -168,6 +170,11 @@ def test_profile_marks_upstreams_micro_batches_phases_and_layers(tmp_path):
     assert names.count("onecard.micro_batch") == 2 and names.count("onecard.optimizer_micro_batch") == 1
     assert names.count("onecard.forward") == 3 and names.count("onecard.backward") == 3
     assert names.count("onecard.layer.0") == 3 and "onecard.layer.3" not in names
+    cpu = [e for e in trace["traceEvents"] if e.get("cat") == "user_annotation"]
+    fwd = [(e["ts"], e["ts"] + e["dur"]) for e in cpu if e["name"] == "onecard.forward"]
+    layers = [e for e in cpu if e["name"].startswith("onecard.layer.")]
+    assert layers and all(any(a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in fwd) for e in layers), \
+        "a layer mark must close at its layer's end, inside its forward"
     assert "| phase |" in r.stderr
 
 

@@ -234,6 +234,7 @@ class _Profiler:
                                    or os.getcwd())
         self.prof = None
         self.hooks: list = []
+        self.open: dict = {}
         self.layer = 0
 
     def wanted(self, call: int) -> bool:
@@ -257,10 +258,11 @@ class _Profiler:
         rf = torch.profiler.record_function(f"onecard.layer.{self.layer}")
         self.layer += 1
         rf.__enter__()
-        module._onecard_mark = rf
+        self.open[id(module)] = rf  # kept here, not on the module: a compiled block (OptimizedModule) hands a set
+        # attribute to its inner module, where the exit hook would not find it and the mark would never close
 
     def _exit_layer(self, module, args, output) -> None:
-        rf = module.__dict__.pop("_onecard_mark", None)
+        rf = self.open.pop(id(module), None)
         if rf is not None:
             rf.__exit__(None, None, None)
 
