@@ -48,9 +48,10 @@ _COMPILED = [(c, re.compile(p)) for c, p in CATEGORIES]
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
 HOST_CATS = {"cpu_op", "user_annotation"}
-SYNC_RX = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpyDtoH|_local_scalar_dense")
-"""Host events that wait for the device: the runtime's synchronize calls, a synchronous ``cudaMemcpy`` and the
-``aten::_local_scalar_dense`` of ``.item()`` (the wait itself shows as GPU idle after the device drains)."""
+SYNC_RX = re.compile(r"Synchronize|^cudaMemcpy$|^cuMemcpyDtoH")
+"""Runtime calls that wait for the device: the synchronize calls (a GPU tensor's ``.item()`` is a copy and a
+``cudaStreamSynchronize``) and a synchronous ``cudaMemcpy``; an ``.item()`` of a CPU tensor waits for nothing and is
+not counted."""
 LAUNCH_RX = re.compile(r"Launch|^cudaMemcpyAsync$|^cudaMemsetAsync$")
 
 

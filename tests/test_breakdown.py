@@ -144,7 +144,8 @@ def test_host_side_launches_waits_and_ops_per_phase():
     t["traceEvents"] += [
         {"ph": "X", "cat": "cpu_op", "name": "FSDP::pre_forward", "ts": 205, "dur": 4, "tid": MAIN},
         {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 450, "dur": 20, "tid": MAIN},
-        {"ph": "X", "cat": "cpu_op", "name": "aten::_local_scalar_dense", "ts": 600, "dur": 3, "tid": AUTOGRAD},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 600, "dur": 3, "tid": AUTOGRAD},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::_local_scalar_dense", "ts": 620, "dur": 2, "tid": MAIN},  # CPU .item()
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1200, "dur": 50, "tid": MAIN},  # after the micro-batch
         ann("forward", 1150, 200),  # a phase mark outside every micro-batch (an optimizer call's): ignored
     ]
