@@ -33,16 +33,21 @@ allocated over the steps); host memory (GiB): ``host_peak_init_gib`` (``VmHWM`` 
 build + LoRA + plan + sharding + arena allocation, plus ``init_materialise_s``) + ``init_rest_s`` (process group,
 synthetic data, ``.to(device)``, optimizer); ``import_s`` (imports, outside ``init_s``); ``init_path``,
 ``base_init``, ``meta_params_before_sharding`` (= ``base_tensors``: no base weight had storage before it got its
-final one); ``resident_blocks``, ``residency_plan``, ``optimizer_device``. ``--probe-largest`` adds the largest
+final one); ``resident_blocks``, ``residency_plan``, ``optimizer_device``; ``cap_gib`` (the ``--cap-gib`` /
+``ONECARD_GPU_MEMORY_GIB`` the card ran under, ``null`` uncapped); the PCIe floor: ``h2d_gb_s`` (measured pinned
+host-to-device bandwidth, :func:`pinned_h2d_gb_s`), ``h2d_bytes_per_step`` (the offloaded shards' bytes x 2 copies
+per micro-batch x micro-batches, :func:`pcie_floor`) and ``pcie_floor_s`` (their quotient: no step that streams
+those bytes over that link can be shorter than resident + this; ``null`` on the CPU). ``--probe-largest`` adds the largest
 480x832 clip (121, 161, 201, 241 frames tried in order) whose resident run completes. Writes ``h3_1gpu.json`` and a
 markdown table ``h3_1gpu.md`` into ``--out`` (atomically, both or neither; bad arguments, an empty selection or no
 GPU without ``--smoke`` are one ``error:`` line and exit status 2 before any run); random weights: timings and memory are the real architecture's,
 losses mean nothing.
 
 GPU commands, each within a 10-minute command (``--print-commands`` prints them for the chosen ``--modes`` /
-``--clips`` / ``--probe-largest`` / ``--gpu-budget-gib``): one configuration per command with ``--timeout-s 540``
-(a configuration that runs longer becomes a failed row; the command still writes its json), each into its own
-``--out`` folder, then ``--merge`` the folder. The default matrix::
+``--clips`` / ``--probe-largest`` / ``--gpu-budget-gib`` / ``--cap-gib``): one configuration per command with
+``--timeout-s 540`` (a configuration that runs longer becomes a failed row; the command still writes its json), each
+into its own ``--out`` folder, then ``--merge`` the folder. The default matrix, ending with the 24 GB card: full
+offload at the recipe's clip (:data:`RECIPE_CLIP`) with the card capped at 22.06 GiB::
 
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/17x320x192_resident
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/17x320x192_offload
@@ -50,6 +55,10 @@ GPU commands, each within a 10-minute command (``--print-commands`` prints them 
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/81x480x832_resident
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/81x480x832_offload
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes partial --clips 81x480x832 --steps 1 --micro-batches 2 --lora-rank 64 --resident-blocks auto --gpu-budget-gib 40 --timeout-s 540 --out outputs/h3_1gpu_runs/81x480x832_partial
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 107x768x1344 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/107x768x1344_resident
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 107x768x1344 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/107x768x1344_offload
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes partial --clips 107x768x1344 --steps 1 --micro-batches 2 --lora-rank 64 --resident-blocks auto --gpu-budget-gib 40 --timeout-s 540 --out outputs/h3_1gpu_runs/107x768x1344_partial
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 107x768x1344 --steps 1 --micro-batches 2 --lora-rank 64 --cap-gib 22.06 --timeout-s 540 --out outputs/h3_1gpu_runs/107x768x1344_offload_cap22.06
     python benchmarks/h3_1gpu.py --merge outputs/h3_1gpu_runs
 
 (``--probe-largest`` puts ``--modes resident --clips {121,161,201,241}x480x832`` first; stop after the first that
@@ -75,12 +84,52 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.checks import at_least, free_targets, pick, positive, writable_dir, write_together  # noqa: E402
+from benchmarks.checks import (at_least, at_most_card, free_targets, pick, positive, writable_dir,  # noqa: E402
+                               write_together)
 from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
 from patches.core.flags import is_whole_number  # noqa: E402
 
 MODES = ("resident", "offload", "partial")
-DEFAULT_CLIPS = "17x320x192,81x480x832"
+RECIPE_CLIP = "107x768x1344"
+"""The clip size of upstream miles-diffusion's own one-GPU H3 recipe (27,580 tokens)."""
+DEFAULT_CLIPS = f"17x320x192,81x480x832,{RECIPE_CLIP}"
+CARD_24GB_GIB = 22.06
+"""A 24 GB card's usable memory (GiB): the cap of the 24 GB configurations."""
+H2D_PROBE_BYTES = 1 << 30
+"""Bytes of the pinned buffer :func:`pinned_h2d_gb_s` copies to the GPU (1 GiB)."""
+UNSHARDS_PER_MICRO_BATCH = 2
+"""Host-to-device copies of a streamed unit per micro-batch: its forward, and its backward (FSDP2 reshards after the
+forward, and the checkpointed recompute runs inside the backward's unshard)."""
+
+
+def pinned_h2d_gb_s(device, nbytes: int = H2D_PROBE_BYTES, repeats: int = 3) -> float | None:
+    """Measured host-to-device bandwidth (GB/s, 1e9 bytes) of a pinned ``nbytes`` buffer: the best of ``repeats``
+    timed copies (CUDA events) after one warm-up; ``None`` on a CPU ``device``."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    best = math.inf
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    return nbytes / best / 1e9
+
+
+def pcie_floor(streamed_bytes: int, micro_batches: int, gb_s: float | None) -> tuple[int, float | None]:
+    """(bytes copied host-to-device per optimizer step, the copy's lower bound in s at ``gb_s``): every streamed
+    unit's bytes (``streamed_bytes``, the offloaded shards) :data:`UNSHARDS_PER_MICRO_BATCH` times per micro-batch.
+    The bound is ``None`` without a measured bandwidth."""
+    per_step = streamed_bytes * UNSHARDS_PER_MICRO_BATCH * micro_batches
+    return per_step, (per_step / (gb_s * 1e9) if gb_s else None)
 PROBE_FRAMES = (121, 161, 201, 241)
 
 
@@ -119,7 +168,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     from miles_ext.recipe.presets import H3_LORA_TARGETS, build_transformer, get_preset
     from miles_ext.recipe.schedule import pair_schedule
     from miles_ext.levers.residency import block_bytes, resolve_residency
-    from patches.core.device import gpu_budget_bytes
+    from patches.core.device import gpu_budget_bytes, gpu_memory_cap_gib, pick_device
     from patches.core.flags import parse_resident_blocks
     from miles_ext.recipe.sft import train_step
     from patches.core.runtime import GiB, free_port, host_rss, median
@@ -129,7 +178,8 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
         importlib.import_module(name)  # import time reported apart (import_s), not inside init_s
     import_s = time.perf_counter() - ti
     cuda = torch.cuda.is_available() and not a.smoke
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    device = pick_device(0) if cuda else torch.device("cpu")  # capped at ONECARD_GPU_MEMORY_GIB (--cap-gib)
+    cap_gib = gpu_memory_cap_gib() if cuda else None
     t0 = time.perf_counter()
     rss_start = host_rss()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -193,6 +243,8 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - ts)
     rep = pinned_report(model)
     locked = locked_bytes()
+    gb_s = pinned_h2d_gb_s(device)
+    h2d_bytes, floor_s = pcie_floor(rep.requested_bytes if rep else 0, a.micro_batches, gb_s)
     status = proc_status_kib(("VmHWM", "VmRSS"))
     opt_dev = next(iter(opt.state.values()))["exp_avg"].device.type if opt.state else "none"
     torch.distributed.destroy_process_group()
@@ -214,40 +266,54 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "h2d": "prefetch" if attached(model) else "sync",
             "h2d_prefetch": getattr(model, "_onecard_h2d_prefetch", None),
             "h2d_staged": sum(p.staged for p in attached(model)), "h2d_dropped": sum(p.dropped for p in attached(model)),
+            "cap_gib": cap_gib, "h2d_gb_s": gb_s, "h2d_bytes_per_step": h2d_bytes, "pcie_floor_s": floor_s,
             "ok": True}
 
 
-def child(mode: str, clip: str, argv: list[str], timeout: float) -> dict:
-    """Run one configuration in a fresh process; an OOM or crash is a result with ``ok: False``."""
+def child(mode: str, clip: str, argv: list[str], timeout: float, cap_gib: float | None = None) -> dict:
+    """Run one configuration in a fresh process (the card capped at ``cap_gib`` GiB through
+    ``ONECARD_GPU_MEMORY_GIB`` when given, else as the environment says); an OOM or crash is a result with
+    ``ok: False`` that still records the cap."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", mode, clip, *argv]
+    env = dict(os.environ)
+    if cap_gib is not None:
+        env["ONECARD_GPU_MEMORY_GIB"] = f"{cap_gib:g}"
+    cap = float(env["ONECARD_GPU_MEMORY_GIB"]) if env.get("ONECARD_GPU_MEMORY_GIB", "").strip() else None
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"mode": mode, "clip": clip, "ok": False, "error": f"timed out after {timeout:.0f} s"}
+        return {"mode": mode, "clip": clip, "cap_gib": cap, "ok": False, "error": f"timed out after {timeout:.0f} s"}
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
-    return {"mode": mode, "clip": clip, "ok": False, "error": " | ".join(tail)}
+    return {"mode": mode, "clip": clip, "cap_gib": cap, "ok": False, "error": " | ".join(tail)}
 
 
 def table(results: list[dict]) -> str:
     """The results as a markdown table (init split: model = meta build + LoRA + FSDP2 + materialise, rest = process
     group, synthetic data, ``.to(device)``, optimizer; host GiB: peak through init / steady after the timed steps /
     peak overall)."""
-    rows = ["| clip | mode | resident blocks | s/step | GPU peak GiB | host GiB init peak / steady / peak "
-            "| pinned asked GB | locked GB | init s (model + materialise / rest) | optimizer |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| clip | mode | card cap GiB | resident blocks | s/step | GPU peak GiB | host GiB init peak / steady / peak "
+            "| pinned asked GB | locked GB | H2D GB/step | PCIe floor s (GB/s) | init s (model + materialise / rest) "
+            "| optimizer |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cap(r):
+        return "none" if r.get("cap_gib") is None else f"{r['cap_gib']:g}"
+
     for r in results:
         if not r.get("ok"):
-            rows.append(f"| {r['clip']} | {r['mode']} | | failed: {r.get('error', '')[:80]} | | | | | | |")
+            rows.append(f"| {r['clip']} | {r['mode']} | {cap(r)} | | failed: {r.get('error', '')[:80]} | | | | | | | | |")
             continue
+        h2d = "" if "h2d_bytes_per_step" not in r else f"{r['h2d_bytes_per_step'] / 1e9:.1f}"
+        floor = ("" if r.get("pcie_floor_s") is None else f"{r['pcie_floor_s']:.2f} ({r['h2d_gb_s']:.1f})")
         mode = r["mode"] + {"prefetch": " (H2D prefetch)", "sync": ""}.get(r.get("h2d"), "")
         blocks = "none" if r["mode"] == "offload" else r["resident_blocks"]
-        rows.append(f"| {r['clip']} | {mode} | {blocks} | {r['s_per_step']:.2f} | "
+        rows.append(f"| {r['clip']} | {mode} | {cap(r)} | {blocks} | {r['s_per_step']:.2f} | "
                     f"{r['gpu_peak_gib']:.1f} | {r['host_peak_init_gib']:.1f} / {r['host_steady_gib']:.1f} / "
                     f"{r['host_peak_gib']:.1f} | {r['pinned_requested_bytes'] / 1e9:.2f} | "
-                    f"{r['pinned_locked_bytes'] / 1e9:.2f} | {r['init_s']:.0f} ({r['init_meta_shard_s']:.0f} + "
+                    f"{r['pinned_locked_bytes'] / 1e9:.2f} | {h2d} | {floor} | {r['init_s']:.0f} ({r['init_meta_shard_s']:.0f} + "
                     f"{r['init_materialise_s']:.0f} / {r['init_rest_s']:.0f}) | {r['optimizer_device']} |")
     return "\n".join(rows) + "\n"
 
@@ -266,6 +332,8 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
     the resident probes of the 480x832 clips (:data:`PROBE_FRAMES`, in order: stop at the first failure); last the
     ``--merge`` of every result into ``out``'s table."""
     opts = f"--steps {a.steps} --micro-batches {a.micro_batches} --lora-rank {a.lora_rank}"
+    if a.cap_gib:
+        opts += f" --cap-gib {a.cap_gib:g}"
     sync = " --sync-h2d" if a.sync_h2d else ""
     pre = " --prefetch-h2d" if a.prefetch_h2d else ""
     configs = [(m, c) for c in clips for m in modes]
@@ -283,6 +351,10 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
             extra, tag = pre, tag + "_prefetch"
         cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes {m} --clips {c} {opts}{extra} "
                     f"--timeout-s {CHILD_TIMEOUT_S} --out {shlex.quote(f'{out}/{tag}')}")
+    if not a.cap_gib and "offload" in modes:  # the 24 GB card: full offload at the recipe's clip under its cap
+        cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips {RECIPE_CLIP} {opts}"
+                    f" --cap-gib {CARD_24GB_GIB:g}{pre} --timeout-s {CHILD_TIMEOUT_S} "
+                    f"--out {shlex.quote(f'{out}/{RECIPE_CLIP}_offload_cap{CARD_24GB_GIB:g}')}")
     cmds.append(f"python benchmarks/h3_1gpu.py --merge {shlex.quote(str(out))}")
     return cmds
 
@@ -306,6 +378,11 @@ def _check_row(r: dict) -> None:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"{k} = {v!r} is not a finite number")
         r["resident_blocks"], r["optimizer_device"]  # noqa: B018 (KeyError when missing)
+    for k in ("cap_gib", "h2d_gb_s", "pcie_floor_s", "h2d_bytes_per_step"):  # absent from rows before 2026-12-03
+        v = r.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf
+                              or (k in ("cap_gib", "h2d_gb_s") and v == 0)):
+            raise ValueError(f"{k} = {v!r} is not a finite {'positive' if k in ('cap_gib', 'h2d_gb_s') else 'non-negative'} number")
 
 
 def merge(folder: Path) -> list[dict]:
@@ -349,6 +426,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--probe-largest", action="store_true", help="add the largest 480x832 clip the resident run holds")
     ap.add_argument("--resident-blocks", default="auto", help="partial mode: auto or a number of blocks")
     ap.add_argument("--gpu-budget-gib", type=float, default=None, help="partial auto: GPU budget (default: the card)")
+    ap.add_argument("--cap-gib", type=float, default=None,
+                    help=f"cap the card at this many GiB for every configuration (ONECARD_GPU_MEMORY_GIB; e.g. "
+                         f"{CARD_24GB_GIB:g} for a 24 GB card); each row records its cap")
     ap.add_argument("--steps", type=int, default=1, help="timed optimizer steps after one warm-up step")
     ap.add_argument("--micro-batches", type=int, default=2, help="accumulated micro-batches per optimizer step")
     ap.add_argument("--lora-rank", type=int, default=64)
@@ -394,6 +474,7 @@ def _main(argv: list[str] | None) -> int:
     at_least("--lora-rank", a.lora_rank, 1, "the LoRA rank")
     positive("--timeout-s", a.timeout_s, "seconds per configuration")
     positive("--gpu-budget-gib", a.gpu_budget_gib, "GiB")
+    positive("--cap-gib", a.cap_gib, "GiB")
     if a.sync_h2d and a.prefetch_h2d:
         raise UserError("--sync-h2d and --prefetch-h2d ask for opposite things: keep one")
     if a.prefetch_h2d and "offload" not in modes:
@@ -417,6 +498,7 @@ def _main(argv: list[str] | None) -> int:
 
         if not torch.cuda.is_available():
             raise UserError("the 33 B model needs a CUDA GPU; pass --smoke for the CPU smoke with the tiny preset")
+        at_most_card("--cap-gib", a.cap_gib)
     passthrough = [f"--resident-blocks={a.resident_blocks}", f"--steps={a.steps}",
                    f"--micro-batches={a.micro_batches}", f"--lora-rank={a.lora_rank}"]
     if a.gpu_budget_gib:
@@ -431,7 +513,7 @@ def _main(argv: list[str] | None) -> int:
     if a.probe_largest and not a.smoke:
         largest = None
         for f in PROBE_FRAMES:
-            r = child("resident", f"{f}x480x832", passthrough, a.timeout_s)
+            r = child("resident", f"{f}x480x832", passthrough, a.timeout_s, a.cap_gib)
             print(f"probe {f}x480x832 resident: {'ok' if r.get('ok') else 'failed'}", flush=True)
             if not r.get("ok"):
                 break
@@ -441,7 +523,7 @@ def _main(argv: list[str] | None) -> int:
     results = []
     for c in clips:
         for m in modes:
-            r = child(m, c, passthrough, a.timeout_s)
+            r = child(m, c, passthrough, a.timeout_s, a.cap_gib)
             print(json.dumps(r), flush=True)
             results.append(r)
     write_together({out / "h3_1gpu.json": json.dumps(results, indent=2), out / "h3_1gpu.md": table(results)})

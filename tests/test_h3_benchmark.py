@@ -33,7 +33,10 @@ def test_smoke_runs_every_mode_and_reports(tmp_path):
     assert by["resident"]["pinned_requested_bytes"] == 0 and by["offload"]["pinned_requested_bytes"] > 0
     assert 0 < by["partial"]["pinned_requested_bytes"] < by["offload"]["pinned_requested_bytes"]
     assert by["partial"]["resident_blocks"] == 1
-    assert "| 9x16x16 | partial | 1 |" in (tmp_path / "h3_1gpu.md").read_text()
+    assert "| 9x16x16 | partial | none | 1 |" in (tmp_path / "h3_1gpu.md").read_text()
+    for r in results:  # the PCIe floor: the offloaded shards twice per micro-batch; no bandwidth on the CPU
+        assert r["cap_gib"] is None and r["h2d_gb_s"] is None and r["pcie_floor_s"] is None
+        assert r["h2d_bytes_per_step"] == r["pinned_requested_bytes"] * 2 * 2
 
 
 def test_bad_arguments_are_one_error_line():
@@ -52,7 +55,9 @@ def test_print_commands_one_configuration_each_under_the_command_limit_and_in_th
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     runs = [x for x in lines if "--modes" in x]
-    assert len(runs) == 4 + 2 * 3 and lines[-1] == "python benchmarks/h3_1gpu.py --merge outputs/h3_1gpu_runs"
+    assert len(runs) == 4 + 3 * 3 + 1 and lines[-1] == "python benchmarks/h3_1gpu.py --merge outputs/h3_1gpu_runs"
+    capped = [x for x in runs if "--cap-gib" in x]  # the 24 GB card: full offload at the recipe's clip, capped
+    assert len(capped) == 1 and "--modes offload --clips 107x768x1344" in capped[0] and "--cap-gib 22.06" in capped[0]
     outs = set()
     for cmd in runs:
         args = cmd.split("; ", 1)[1].split()
@@ -60,6 +65,7 @@ def test_print_commands_one_configuration_each_under_the_command_limit_and_in_th
         assert "," not in modes and "," not in clips
         assert float(args[args.index("--timeout-s") + 1]) <= 540
         assert ("--gpu-budget-gib" in args) == (modes == "partial")
+        assert ("--cap-gib" in args) == (cmd in capped)
         outs.add(args[args.index("--out") + 1])
     assert len(outs) == len(runs)  # one result folder per command
     doc = SCRIPT.read_text()
@@ -84,3 +90,53 @@ def test_merge_combines_per_command_results(tmp_path):
     assert (tmp_path / "h3_1gpu.md").read_text().count("timed out") == 3
     empty = _bench("--merge", str(tmp_path / "a" / "nothing"))
     assert empty.returncode == 2 and empty.stderr.startswith("error:")
+
+
+def _module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("h3_1gpu_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pcie_floor_counts_each_streamed_byte_twice_per_micro_batch():
+    bench = _module()
+    assert bench.pcie_floor(10**9, 2, 50.0) == (4 * 10**9, 4 * 10**9 / 50e9)
+    assert bench.pcie_floor(0, 2, 50.0) == (0, 0.0)  # every block resident: nothing streams
+    assert bench.pcie_floor(10**9, 3, None) == (6 * 10**9, None)  # no measured bandwidth (CPU): no floor
+    import torch
+
+    assert bench.pinned_h2d_gb_s(torch.device("cpu")) is None
+
+
+def test_a_failed_row_still_records_its_cap(monkeypatch):
+    bench = _module()
+    seen = {}
+
+    def timeout(cmd, **kw):
+        seen.update(kw["env"])
+        raise subprocess.TimeoutExpired(cmd, 1)
+
+    monkeypatch.setattr(bench.subprocess, "run", timeout)
+    monkeypatch.delenv("ONECARD_GPU_MEMORY_GIB", raising=False)
+    row = bench.child("offload", "107x768x1344", [], 1.0, cap_gib=22.06)
+    assert row["ok"] is False and row["cap_gib"] == 22.06 and seen["ONECARD_GPU_MEMORY_GIB"] == "22.06"
+    assert "| 107x768x1344 | offload | 22.06 | | failed: timed out" in bench.table([row])
+    assert bench.child("offload", "107x768x1344", [], 1.0)["cap_gib"] is None
+
+
+def test_bad_cap_is_one_error_line(tmp_path):
+    for value in ("nan", "-1", "0", "inf"):
+        out = _bench("--smoke", "--cap-gib", value, "--out", str(tmp_path))
+        assert out.returncode == 2 and out.stderr.startswith("error:") and "--cap-gib" in out.stderr, out.stderr
+        assert not list(tmp_path.iterdir())
+
+
+def test_merge_refuses_a_row_with_a_meaningless_cap(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "h3_1gpu.json").write_text(json.dumps([{"ok": False, "mode": "offload", "clip": "9x16x16",
+                                                              "cap_gib": -3}]))
+    out = _bench("--merge", str(tmp_path))
+    assert out.returncode == 2 and "cap_gib" in out.stderr and not (tmp_path / "h3_1gpu.json").exists()
