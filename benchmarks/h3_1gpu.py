@@ -278,7 +278,9 @@ def child(mode: str, clip: str, argv: list[str], timeout: float, cap_gib: float 
     env = dict(os.environ)
     if cap_gib is not None:
         env["ONECARD_GPU_MEMORY_GIB"] = f"{cap_gib:g}"
-    cap = float(env["ONECARD_GPU_MEMORY_GIB"]) if env.get("ONECARD_GPU_MEMORY_GIB", "").strip() else None
+    from patches.core.device import gpu_memory_cap_gib
+
+    cap = gpu_memory_cap_gib(environ=env)
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -475,6 +477,10 @@ def _main(argv: list[str] | None) -> int:
     positive("--timeout-s", a.timeout_s, "seconds per configuration")
     positive("--gpu-budget-gib", a.gpu_budget_gib, "GiB")
     positive("--cap-gib", a.cap_gib, "GiB")
+    if a.cap_gib is None:  # an inherited ONECARD_GPU_MEMORY_GIB caps every configuration: refuse a bad one now
+        from patches.core.device import gpu_memory_cap_gib
+
+        gpu_memory_cap_gib()
     if a.sync_h2d and a.prefetch_h2d:
         raise UserError("--sync-h2d and --prefetch-h2d ask for opposite things: keep one")
     if a.prefetch_h2d and "offload" not in modes:

@@ -132,6 +132,13 @@ def test_bad_cap_is_one_error_line(tmp_path):
         out = _bench("--smoke", "--cap-gib", value, "--out", str(tmp_path))
         assert out.returncode == 2 and out.stderr.startswith("error:") and "--cap-gib" in out.stderr, out.stderr
         assert not list(tmp_path.iterdir())
+    import os
+
+    env = dict(os.environ, ONECARD_GPU_MEMORY_GIB="lots")  # an inherited cap that means nothing
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, cwd=REPO, env=env)
+    assert out.returncode == 2 and out.stderr.startswith("error:") and "ONECARD_GPU_MEMORY_GIB" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not list(tmp_path.iterdir())
 
 
 def test_merge_refuses_a_row_with_a_meaningless_cap(tmp_path):
