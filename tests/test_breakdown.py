@@ -162,3 +162,15 @@ def test_host_side_launches_waits_and_ops_per_phase():
     md = bd.markdown_table(b)
     assert "| forward | 3 | 1 | 0.0 | `FSDP::pre_forward` ×1 0.0 |" in md
     assert "Forward wall per layer 0.1–0.1 ms" in md
+
+
+def test_an_async_copy_is_a_launch_not_a_wait_and_counts_are_per_micro_batch():
+    one = trace()["traceEvents"]
+    one.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 250, "dur": 5, "tid": MAIN})
+    shifted = [dict(e, ts=e["ts"] + 2000, args=dict(e.get("args", {}), **(
+        {"correlation": e["args"]["correlation"] + 100} if "correlation" in e.get("args", {}) else {})))
+        for e in one]
+    b = bd.breakdown({"traceEvents": one + shifted})  # two identical micro-batches
+    assert b["micro_batches"] == 2
+    fwd = b["host"]["forward"]
+    assert fwd["launches"] == 4 and fwd["syncs"] == {"count": 0, "s": 0.0}  # 3 kernels + the async copy, each once

@@ -146,4 +146,32 @@ def test_merge_refuses_a_row_with_a_meaningless_cap(tmp_path):
     (tmp_path / "a" / "h3_1gpu.json").write_text(json.dumps([{"ok": False, "mode": "offload", "clip": "9x16x16",
                                                               "cap_gib": -3}]))
     out = _bench("--merge", str(tmp_path))
-    assert out.returncode == 2 and "cap_gib" in out.stderr and not (tmp_path / "h3_1gpu.json").exists()
+    assert out.returncode == 2 and "cap_gib = -3" in out.stderr and not (tmp_path / "h3_1gpu.json").exists()
+
+
+def test_table_prints_the_cap_and_floor_in_decimal_units():
+    bench = _module()
+    row = {"ok": True, "mode": "offload", "clip": "107x768x1344", "cap_gib": 22.06, "resident_blocks": 0,
+           "s_per_step": 38.27, "gpu_peak_gib": 20.5, "host_peak_init_gib": 65.8, "host_steady_gib": 69.0,
+           "host_peak_gib": 69.1, "pinned_requested_bytes": 10**10, "pinned_locked_bytes": 10**10,
+           "h2d_bytes_per_step": 4 * 10**10, "h2d_gb_s": 50.0, "pcie_floor_s": 0.8, "init_s": 40,
+           "init_meta_shard_s": 39, "init_materialise_s": 1, "init_rest_s": 0, "optimizer_device": "cpu"}
+    assert "| 107x768x1344 | offload | 22.06 | none | 38.27 |" in bench.table([row])
+    assert "| 40.0 | 0.80 (50.0) |" in bench.table([row])
+
+
+def test_merge_refuses_a_zero_cap_or_bandwidth(tmp_path):
+    for key in ("cap_gib", "h2d_gb_s"):
+        (tmp_path / key / "run").mkdir(parents=True)  # --merge reads DIR/*/h3_1gpu.json
+        (tmp_path / key / "run" / "h3_1gpu.json").write_text(json.dumps([{"ok": False, "mode": "offload",
+                                                                         "clip": "9x16x16", key: 0}]))
+        out = _bench("--merge", str(tmp_path / key))
+        assert out.returncode == 2 and f"{key} = 0 is not a finite positive number" in out.stderr, out.stderr
+        assert not (tmp_path / key / "h3_1gpu.md").exists()
+
+
+def test_print_commands_with_a_cap_caps_every_run_and_adds_no_second_24gb_run():
+    out = _bench("--print-commands", "--cap-gib", "22.06", "--modes", "offload,resident")
+    assert out.returncode == 0, out.stderr
+    runs = [x for x in out.stdout.splitlines() if "--modes" in x]
+    assert len(runs) == 3 * 2 and all("--cap-gib 22.06" in x for x in runs)

@@ -193,3 +193,17 @@ def test_bad_profile_or_stop_is_one_error_line(tmp_path, var, value):
     lines = [ln for ln in r.stderr.splitlines() if "error:" in ln]
     assert r.returncode == 2 and len(lines) == 1 and var in lines[0], r.stderr
     assert "call 1" not in r.stdout
+
+
+def test_profile_spec_defaults_to_four_calls(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memcap_spec_under_test", MEMCAP)
+    memcap = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(memcap)
+    monkeypatch.setenv("ONECARD_MEMCAP_PROFILE", "3")
+    assert memcap._profile_spec("0") == (3, 4)
+    monkeypatch.setenv("ONECARD_MEMCAP_PROFILE", "5:2")
+    assert memcap._profile_spec("0") == (5, 2)
+    monkeypatch.delenv("ONECARD_MEMCAP_PROFILE")
+    assert memcap._profile_spec("0") is None
