@@ -90,13 +90,15 @@ from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
 from patches.core.flags import is_whole_number  # noqa: E402
 
 MODES = ("resident", "offload", "partial")
+PROBE_FRAMES = (121, 161, 201, 241)
 RECIPE_CLIP = "107x768x1344"
 """The clip size of upstream miles-diffusion's own one-GPU H3 recipe (27,580 tokens)."""
 DEFAULT_CLIPS = f"17x320x192,81x480x832,{RECIPE_CLIP}"
 CARD_24GB_GIB = 22.06
 """A 24 GB card's usable memory (GiB): the cap of the 24 GB configurations."""
-H2D_PROBE_BYTES = 1 << 30
-"""Bytes of the pinned buffer :func:`pinned_h2d_gb_s` copies to the GPU (1 GiB)."""
+H2D_PROBE_BYTES = 256 << 20
+"""Bytes of the pinned buffer :func:`pinned_h2d_gb_s` copies to the GPU (256 MiB: large enough for the link's
+steady rate, small against the host figures)."""
 UNSHARDS_PER_MICRO_BATCH = 2
 """Host-to-device copies of a streamed unit per micro-batch: its forward, and its backward (FSDP2 reshards after the
 forward, and the checkpointed recompute runs inside the backward's unshard)."""
@@ -130,7 +132,6 @@ def pcie_floor(streamed_bytes: int, micro_batches: int, gb_s: float | None) -> t
     The bound is ``None`` without a measured bandwidth."""
     per_step = streamed_bytes * UNSHARDS_PER_MICRO_BATCH * micro_batches
     return per_step, (per_step / (gb_s * 1e9) if gb_s else None)
-PROBE_FRAMES = (121, 161, 201, 241)
 
 
 def parse_clip(text: str) -> tuple[int, int, int]:
@@ -243,9 +244,9 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - ts)
     rep = pinned_report(model)
     locked = locked_bytes()
-    gb_s = pinned_h2d_gb_s(device)
-    h2d_bytes, floor_s = pcie_floor(rep.requested_bytes if rep else 0, a.micro_batches, gb_s)
     status = proc_status_kib(("VmHWM", "VmRSS"))
+    gb_s = pinned_h2d_gb_s(device)  # after the host figures are read: its pinned buffer is in none of them
+    h2d_bytes, floor_s = pcie_floor(rep.requested_bytes if rep else 0, a.micro_batches, gb_s)
     opt_dev = next(iter(opt.state.values()))["exp_avg"].device.type if opt.state else "none"
     torch.distributed.destroy_process_group()
     build_s = built.build_s + built.materialise_s
