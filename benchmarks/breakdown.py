@@ -79,6 +79,37 @@ def _clip(iv: tuple[float, float], lo: float, hi: float) -> tuple[float, float] 
     return (a, b) if b > a else None
 
 
+def _where(t: float, wins: list[tuple[float, float]]) -> int | None:
+    """The index of the window of the sorted, disjoint ``wins`` that holds ``t``, or ``None``."""
+    i = bisect_right(wins, (t, float("inf"))) - 1
+    return i if i >= 0 and wins[i][0] <= t <= wins[i][1] else None
+
+
+def _host_side(ev: list[dict], micro: list[tuple[float, float]], phase_of, names: tuple[str, ...], n: int,
+               top: int) -> dict[str, Any]:
+    """Per phase of ``names`` (``phase_of(ts)`` says which), per micro-batch of the ``n`` in ``micro``: the launch
+    calls (:data:`LAUNCH_RX`), the device waits (:data:`SYNC_RX`: count and s) and the ``top`` host ops by inclusive
+    time (name, count, s) of the host events ``ev`` that start inside a micro-batch (the ``onecard.`` marks left out)."""
+    host = {p: {"launches": 0, "syncs": [0, 0.0], "ops": defaultdict(lambda: [0, 0.0])} for p in names}
+    for e in ev:
+        cat, name = e.get("cat"), str(e.get("name", ""))
+        if (cat not in LAUNCH_CATS and cat not in HOST_CATS) or name.startswith(PREFIX) or _where(e["ts"], micro) is None:
+            continue
+        h = host[phase_of(e["ts"])]
+        if cat in LAUNCH_CATS and LAUNCH_RX.search(name):
+            h["launches"] += 1
+        if SYNC_RX.search(name):
+            h["syncs"][0] += 1
+            h["syncs"][1] += e["dur"] / 1e6
+        if cat in HOST_CATS:
+            h["ops"][name][0] += 1
+            h["ops"][name][1] += e["dur"] / 1e6
+    return {p: {"launches": h["launches"] // n, "syncs": {"count": h["syncs"][0] // n, "s": h["syncs"][1] / n},
+                "ops": [{"name": k[:120], "count": c // n or c, "s": t / n}
+                        for k, (c, t) in sorted(h["ops"].items(), key=lambda kv: -kv[1][1])[:top]]}
+            for p, h in host.items()}
+
+
 def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
     """The per-micro-batch breakdown of a Chrome trace written under :class:`ProfiledMicroBatches`.
 
@@ -125,9 +156,8 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
             launch[e["args"]["correlation"]] = (e["ts"], e.get("tid"))
     gpu = [e for e in ev if e.get("cat") in GPU_CATS]
 
-    def where(t: float, wins: list[tuple[float, float]]) -> int | None:
-        i = bisect_right(wins, (t, float("inf"))) - 1
-        return i if i >= 0 and wins[i][0] <= t <= wins[i][1] else None
+    def phase_of(t: float) -> str:
+        return next((p for p in PHASES if _where(t, phase_win[p]) is not None), "host and data")
 
     def layer_of(t: float, tid: Any) -> int | None:
         best = None
@@ -147,10 +177,10 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
     per_kernel = defaultdict(lambda: [0, 0.0])
     for e in gpu:
         lt, tid = launch.get(e.get("args", {}).get("correlation"), (e["ts"], None))
-        mb = where(lt, micro)
+        mb = _where(lt, micro)
         if mb is None:
             continue
-        phase = next((p for p in PHASES if where(lt, phase_win[p]) is not None), "host and data")
+        phase = phase_of(lt)
         cat = categorize(e["name"]) if e["cat"] == "kernel" else "memcpy / memset"
         dur = e["dur"] / 1e6
         kern[phase][cat] += dur
@@ -167,24 +197,10 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         pk[0] += 1
         pk[1] += dur
 
-    host = {p: {"launches": 0, "syncs": [0, 0.0], "ops": defaultdict(lambda: [0, 0.0])} for p in names}
-    for e in ev:
-        cat, name = e.get("cat"), str(e.get("name", ""))
-        if (cat not in LAUNCH_CATS and cat not in HOST_CATS) or name.startswith(PREFIX) or where(e["ts"], micro) is None:
-            continue
-        h = host[next((p for p in PHASES if where(e["ts"], phase_win[p]) is not None), "host and data")]
-        if cat in LAUNCH_CATS and LAUNCH_RX.search(name):
-            h["launches"] += 1
-        if SYNC_RX.search(name):
-            h["syncs"][0] += 1
-            h["syncs"][1] += e["dur"] / 1e6
-        if cat in HOST_CATS:
-            h["ops"][name][0] += 1
-            h["ops"][name][1] += e["dur"] / 1e6
     layer_wall = defaultdict(float)
     for v in layer_marks.values():
         for a, b, k in v:
-            if where(a, phase_win["forward"]) is not None:
+            if _where(a, phase_win["forward"]) is not None:
                 layer_wall[k] += (b - a) / 1e6
 
     def wall(wins):
@@ -207,10 +223,7 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         "recompute_s": recompute / n,
         "layers": {"forward_s": [layer_fwd[k] / n for k in layers], "recompute_s": [layer_rec[k] / n for k in layers],
                    "forward_wall_s": [layer_wall[k] / n for k in layers]},
-        "host": {p: {"launches": h["launches"] // n, "syncs": {"count": h["syncs"][0] // n, "s": h["syncs"][1] / n},
-                     "ops": [{"name": k[:120], "count": c // n or c, "s": t / n}
-                             for k, (c, t) in sorted(h["ops"].items(), key=lambda kv: -kv[1][1])[:top]]}
-                 for p, h in host.items()},
+        "host": _host_side(ev, micro, phase_of, names, n, top),
         "top_kernels": [{"name": name[:120], "category": categorize(name), "count": c // n or c, "s": s / n}
                         for name, (c, s) in tops],
     }

@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     return cli(lambda: _main(argv))
 
 
-def _main(argv: list[str] | None) -> int:
+def _parser() -> ArgumentParser:
+    """The command line's options (module docstring)."""
     ap = ArgumentParser(prog="python benchmarks/h3_1gpu.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", default=",".join(MODES), help="comma list of resident, offload, partial")
     ap.add_argument("--clips", default=DEFAULT_CLIPS, help="comma list of FRAMESxHEIGHTxWIDTH")
@@ -450,18 +451,12 @@ def _main(argv: list[str] | None) -> int:
                     help=f"print one GPU command per (clip, mode), each under {COMMAND_LIMIT_S} s, and the --merge")
     ap.add_argument("--merge", metavar="DIR", help="combine DIR/*/h3_1gpu.json into DIR/h3_1gpu.json + .md")
     ap.add_argument("--one", nargs=2, metavar=("MODE", "CLIP"), help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.one:
-        print("RESULT " + json.dumps(run_one(a.one[0], a.one[1], a)), flush=True)
-        return 0
-    if a.merge is not None:
-        if not a.merge.strip():
-            raise UserError("--merge needs the folder of the printed commands' results, e.g. "
-                            f"--merge {RUNS_DIR}; it was given an empty name")
-        results = merge(Path(a.merge))
-        print(table(results))
-        return 0
-    # every check before any run (and before anything under --out is touched)
+    return ap
+
+
+def _check_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The run's (modes, clips) after every check of the arguments, before any run and before anything under
+    ``--out`` is touched. Raises :class:`UserError` (one line) for the first bad one."""
     modes = pick("--modes", a.modes, MODES)
     given = [c.strip() for c in a.clips.split(",") if c.strip()]
     if not given:
@@ -492,6 +487,22 @@ def _main(argv: list[str] | None) -> int:
                         "it: add partial to --modes, or drop --sync-h2d")
     if not (a.resident_blocks.strip().lower() == "auto" or is_whole_number(a.resident_blocks.strip())):
         raise UserError(f"--resident-blocks {a.resident_blocks!r}: use auto or a whole number of blocks (0 = stream all)")
+    return modes, clips
+
+
+def _main(argv: list[str] | None) -> int:
+    a = _parser().parse_args(argv)
+    if a.one:
+        print("RESULT " + json.dumps(run_one(a.one[0], a.one[1], a)), flush=True)
+        return 0
+    if a.merge is not None:
+        if not a.merge.strip():
+            raise UserError("--merge needs the folder of the printed commands' results, e.g. "
+                            f"--merge {RUNS_DIR}; it was given an empty name")
+        results = merge(Path(a.merge))
+        print(table(results))
+        return 0
+    modes, clips = _check_args(a)  # every check before any run (and before anything under --out)
     if a.print_commands:
         if a.smoke:
             raise UserError("--print-commands lists the GPU runs; --smoke runs on the CPU: drop one of them")
