@@ -47,7 +47,10 @@ GPU commands, each within a 10-minute command (``--print-commands`` prints them 
 ``--clips`` / ``--probe-largest`` / ``--gpu-budget-gib`` / ``--cap-gib``): one configuration per command with
 ``--timeout-s 540`` (a configuration that runs longer becomes a failed row; the command still writes its json), each
 into its own ``--out`` folder, then ``--merge`` the folder. The default matrix, ending with the 24 GB card: full
-offload at the recipe's clip (:data:`RECIPE_CLIP`) with the card capped at 22.06 GiB::
+offload at the recipe's clip (:data:`RECIPE_CLIP`) with the card capped at 22.06 GiB, as it is and with the
+checkpointed block inputs that do not fit recomputed (``--recompute-inputs auto``,
+:mod:`miles_ext.levers.input_recompute`; rows record ``recompute_block_inputs``, ``recomputed_forwards``,
+``input_recompute_plan`` and ``predicted_peak_gib``)::
 
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes resident --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/17x320x192_resident
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 17x320x192 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/17x320x192_offload
@@ -59,6 +62,7 @@ offload at the recipe's clip (:data:`RECIPE_CLIP`) with the card capped at 22.06
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 107x768x1344 --steps 1 --micro-batches 2 --lora-rank 64 --timeout-s 540 --out outputs/h3_1gpu_runs/107x768x1344_offload
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes partial --clips 107x768x1344 --steps 1 --micro-batches 2 --lora-rank 64 --resident-blocks auto --gpu-budget-gib 40 --timeout-s 540 --out outputs/h3_1gpu_runs/107x768x1344_partial
     ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 107x768x1344 --steps 1 --micro-batches 2 --lora-rank 64 --cap-gib 22.06 --timeout-s 540 --out outputs/h3_1gpu_runs/107x768x1344_offload_cap22.06
+    ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips 107x768x1344 --steps 1 --micro-batches 2 --lora-rank 64 --recompute-inputs auto --cap-gib 22.06 --timeout-s 540 --out outputs/h3_1gpu_runs/107x768x1344_offload_cap22.06_recomputeauto
     python benchmarks/h3_1gpu.py --merge outputs/h3_1gpu_runs
 
 (``--probe-largest`` puts ``--modes resident --clips {121,161,201,241}x480x832`` first; stop after the first that
@@ -96,6 +100,10 @@ RECIPE_CLIP = "107x768x1344"
 DEFAULT_CLIPS = f"17x320x192,81x480x832,{RECIPE_CLIP}"
 CARD_24GB_GIB = 22.06
 """A 24 GB card's usable memory (GiB): the cap of the 24 GB configurations."""
+ALLOC_CONF = "expandable_segments:True"
+"""``PYTORCH_CUDA_ALLOC_CONF`` of every configuration unless the environment sets one (as the launchers do): under a
+22.06 GiB cap the default allocator left 1.9 GiB reserved but unusable for a 1.48 GiB block (H200, 2026-12-04).
+Each row records it (``alloc_conf``)."""
 H2D_PROBE_BYTES = 256 << 20
 """Bytes of the pinned buffer :func:`pinned_h2d_gb_s` copies to the GPU (256 MiB: large enough for the link's
 steady rate, small against the host figures)."""
@@ -161,7 +169,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     """One configuration in this process (the child); returns its result dict."""
     import torch
 
-    from miles_ext.levers import fast_init
+    from miles_ext.levers import fast_init, input_recompute
     from miles_ext.levers.h2d_prefetch import attached
     from miles_ext.levers.lora import lora_parameters
     from miles_ext.levers.pinned import locked_bytes, pinned_report
@@ -223,6 +231,11 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
                                       param_dtype=torch.bfloat16 if cuda else None,
                                       h2d_prefetch=False if a.sync_h2d else (True if a.prefetch_h2d else None))
     model, resident = built.model, built.resident
+    recompute, rplan = input_recompute.resolve_count(
+        model, a.recompute_inputs, source="--recompute-inputs", full_offload=mode == "offload",
+        budget_bytes=gpu_budget_bytes(device) if cuda else int(1 * GiB), tokens=tokens, act_bytes=2 if cuda else 4,
+        say=lambda line: print(line, flush=True))
+    lever = input_recompute.enable(model, recompute)
     if cuda and not offload:
         model.to(device)
     lora = lora_parameters(model)
@@ -268,15 +281,22 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "h2d_prefetch": getattr(model, "_onecard_h2d_prefetch", None),
             "h2d_staged": sum(p.staged for p in attached(model)), "h2d_dropped": sum(p.dropped for p in attached(model)),
             "cap_gib": cap_gib, "h2d_gb_s": gb_s, "h2d_bytes_per_step": h2d_bytes, "pcie_floor_s": floor_s,
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+            "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0,
+            "recompute_block_inputs": recompute, "recomputed_forwards": lever.recomputed if lever else 0,
+            "input_recompute_plan": rplan.line() if rplan else None,
+            "predicted_peak_gib": rplan.total_bytes / GiB if rplan else None,
             "ok": True}
 
 
 def child(mode: str, clip: str, argv: list[str], timeout: float, cap_gib: float | None = None) -> dict:
     """Run one configuration in a fresh process (the card capped at ``cap_gib`` GiB through
     ``ONECARD_GPU_MEMORY_GIB`` when given, else as the environment says); an OOM or crash is a result with
-    ``ok: False`` that still records the cap."""
+    ``ok: False`` that still records the cap and the ``--recompute-inputs`` setting."""
+    setting = next((x.split("=", 1)[1] for x in argv if x.startswith("--recompute-inputs=")), "0")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", mode, clip, *argv]
     env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
     if cap_gib is not None:
         env["ONECARD_GPU_MEMORY_GIB"] = f"{cap_gib:g}"
     from patches.core.device import gpu_memory_cap_gib
@@ -285,36 +305,63 @@ def child(mode: str, clip: str, argv: list[str], timeout: float, cap_gib: float 
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return {"mode": mode, "clip": clip, "cap_gib": cap, "ok": False, "error": f"timed out after {timeout:.0f} s"}
+        return {"mode": mode, "clip": clip, "cap_gib": cap, "recompute_block_inputs": setting, "ok": False,
+                "error": f"timed out after {timeout:.0f} s"}
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     tail = (out.stderr or out.stdout).strip().splitlines()[-3:]
-    return {"mode": mode, "clip": clip, "cap_gib": cap, "ok": False, "error": " | ".join(tail)}
+    return {"mode": mode, "clip": clip, "cap_gib": cap, "recompute_block_inputs": setting, "ok": False,
+            "error": " | ".join(tail)}
+
+
+def oom_summary(error: str) -> str | None:
+    """A CUDA out-of-memory error's figures in one phrase (``out of memory: X GiB allocated, Y more asked, Z
+    allowed``), or ``None`` when ``error`` is no such error."""
+    import re
+
+    if "OutOfMemoryError" not in error and "out of memory" not in error:
+        return None
+
+    def gib(pattern: str) -> str | None:
+        m = re.search(pattern, error)
+        if not m:
+            return None
+        return f"{float(m.group(1)) / (1024 if m.group(2) == 'MiB' else 1):.2f} GiB"
+
+    asked = gib(r"Tried to allocate ([\d.]+) (GiB|MiB)")
+    allocated = gib(r"([\d.]+) (GiB|MiB) is allocated by PyTorch")
+    allowed = gib(r"([\d.]+) (GiB|MiB) allowed")
+    parts = [f"{allocated} allocated" if allocated else "", f"{asked} more asked" if asked else "",
+             f"{allowed} allowed" if allowed else ""]
+    return "out of memory: " + ", ".join(p for p in parts if p) if any(parts) else "out of memory"
 
 
 def table(results: list[dict]) -> str:
     """The results as a markdown table (init split: model = meta build + LoRA + FSDP2 + materialise, rest = process
     group, synthetic data, ``.to(device)``, optimizer; host GiB: peak through init / steady after the timed steps /
     peak overall)."""
-    rows = ["| clip | mode | card cap GiB | resident blocks | s/step | GPU peak GiB | host GiB init peak / steady / peak "
-            "| pinned asked GB | locked GB | H2D GB/step | PCIe floor s (GB/s) | init s (model + materialise / rest) "
-            "| optimizer |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| clip | mode | card cap GiB | resident blocks | inputs recomputed | s/step | GPU peak GiB (predicted) "
+            "| host GiB init peak / steady / peak | pinned asked GB | locked GB | H2D GB/step | PCIe floor s (GB/s) "
+            "| init s (model + materialise / rest) | optimizer |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def cap(r):
         return "none" if r.get("cap_gib") is None else f"{r['cap_gib']:g}"
 
     for r in results:
         if not r.get("ok"):
-            rows.append(f"| {r['clip']} | {r['mode']} | {cap(r)} | | failed: {r.get('error', '')[:80]} | | | | | | | | |")
+            why = oom_summary(r.get("error", "")) or r.get("error", "")[:80]
+            rows.append(f"| {r['clip']} | {r['mode']} | {cap(r)} | | {r.get('recompute_block_inputs', '')} | failed: "
+                        f"{why} | | | | | | | | |")
             continue
         h2d = "" if "h2d_bytes_per_step" not in r else f"{r['h2d_bytes_per_step'] / 1e9:.1f}"
         floor = ("" if r.get("pcie_floor_s") is None else f"{r['pcie_floor_s']:.2f} ({r['h2d_gb_s']:.1f})")
         mode = r["mode"] + {"prefetch": " (H2D prefetch)", "sync": ""}.get(r.get("h2d"), "")
         blocks = "none" if r["mode"] == "offload" else r["resident_blocks"]
-        rows.append(f"| {r['clip']} | {mode} | {cap(r)} | {blocks} | {r['s_per_step']:.2f} | "
-                    f"{r['gpu_peak_gib']:.1f} | {r['host_peak_init_gib']:.1f} / {r['host_steady_gib']:.1f} / "
+        predicted = "" if r.get("predicted_peak_gib") is None else f" ({r['predicted_peak_gib']:.1f})"
+        rows.append(f"| {r['clip']} | {mode} | {cap(r)} | {blocks} | {r.get('recompute_block_inputs', 0)} | "
+                    f"{r['s_per_step']:.2f} | {r['gpu_peak_gib']:.1f}{predicted} | {r['host_peak_init_gib']:.1f} / {r['host_steady_gib']:.1f} / "
                     f"{r['host_peak_gib']:.1f} | {r['pinned_requested_bytes'] / 1e9:.2f} | "
                     f"{r['pinned_locked_bytes'] / 1e9:.2f} | {h2d} | {floor} | {r['init_s']:.0f} ({r['init_meta_shard_s']:.0f} + "
                     f"{r['init_materialise_s']:.0f} / {r['init_rest_s']:.0f}) | {r['optimizer_device']} |")
@@ -337,6 +384,9 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
     opts = f"--steps {a.steps} --micro-batches {a.micro_batches} --lora-rank {a.lora_rank}"
     if a.cap_gib:
         opts += f" --cap-gib {a.cap_gib:g}"
+    recompute = str(a.recompute_inputs).strip().lower()
+    if recompute not in ("0", "none", ""):
+        opts += f" --recompute-inputs {recompute}"
     sync = " --sync-h2d" if a.sync_h2d else ""
     pre = " --prefetch-h2d" if a.prefetch_h2d else ""
     configs = [(m, c) for c in clips for m in modes]
@@ -345,7 +395,7 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
     cmds = ["# --probe-largest: the first 4 commands probe resident 480x832 clips; stop probing after the first that "
             "fails"] if probe else []
     for m, c in configs:
-        extra, tag = "", f"{c}_{m}"
+        extra, tag = "", f"{c}_{m}" + (f"_recompute{recompute}" if recompute not in ("0", "none", "") else "")
         if m == "partial":
             extra = f" --resident-blocks {a.resident_blocks}" + (f" --gpu-budget-gib {a.gpu_budget_gib:g}"
                                                                  if a.gpu_budget_gib else "") + sync
@@ -354,10 +404,13 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
             extra, tag = pre, tag + "_prefetch"
         cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes {m} --clips {c} {opts}{extra} "
                     f"--timeout-s {CHILD_TIMEOUT_S} --out {shlex.quote(f'{out}/{tag}')}")
-    if not a.cap_gib and "offload" in modes:  # the 24 GB card: full offload at the recipe's clip under its cap
-        cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips {RECIPE_CLIP} {opts}"
-                    f" --cap-gib {CARD_24GB_GIB:g}{pre} --timeout-s {CHILD_TIMEOUT_S} "
-                    f"--out {shlex.quote(f'{out}/{RECIPE_CLIP}_offload_cap{CARD_24GB_GIB:g}')}")
+    if not a.cap_gib and "offload" in modes:  # the 24 GB card: full offload at the recipe's clip under its cap,
+        for r, tag in (("", ""), (" --recompute-inputs auto", "_recomputeauto")):  # plain, then with the lever
+            if r and recompute not in ("0", "none", ""):
+                continue  # --recompute-inputs already in opts
+            cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips {RECIPE_CLIP} "
+                        f"{opts}{r} --cap-gib {CARD_24GB_GIB:g}{pre} --timeout-s {CHILD_TIMEOUT_S} "
+                        f"--out {shlex.quote(f'{out}/{RECIPE_CLIP}_offload_cap{CARD_24GB_GIB:g}{tag}')}")
     cmds.append(f"python benchmarks/h3_1gpu.py --merge {shlex.quote(str(out))}")
     return cmds
 
@@ -433,6 +486,9 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--cap-gib", type=float, default=None,
                     help=f"cap the card at this many GiB for every configuration (ONECARD_GPU_MEMORY_GIB; e.g. "
                          f"{CARD_24GB_GIB:g} for a 24 GB card); each row records its cap")
+    ap.add_argument("--recompute-inputs", default="0",
+                    help="block inputs recomputed instead of kept (miles_ext.levers.input_recompute): a number, or auto "
+                         "(offload only: the fewest that fit the card, or --cap-gib, less 1 GiB)")
     ap.add_argument("--steps", type=int, default=1, help="timed optimizer steps after one warm-up step")
     ap.add_argument("--micro-batches", type=int, default=2, help="accumulated micro-batches per optimizer step")
     ap.add_argument("--lora-rank", type=int, default=64)
@@ -485,6 +541,14 @@ def _check_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     if a.sync_h2d and "partial" not in modes:
         raise UserError("--sync-h2d turns off the side-stream prefetch of partial residency, the only mode that uses "
                         "it: add partial to --modes, or drop --sync-h2d")
+    from miles_ext.levers.input_recompute import parse_setting
+
+    recompute = parse_setting(a.recompute_inputs, "--recompute-inputs")
+    if recompute == "auto" and modes != ["offload"]:
+        raise UserError("--recompute-inputs auto plans full offload's GPU peak: use --modes offload with it, or give a "
+                        "number")
+    if isinstance(recompute, int) and recompute > 25:
+        raise UserError(f"--recompute-inputs {recompute}: at most every second of the 50 transformer blocks (25)")
     if not (a.resident_blocks.strip().lower() == "auto" or is_whole_number(a.resident_blocks.strip())):
         raise UserError(f"--resident-blocks {a.resident_blocks!r}: use auto or a whole number of blocks (0 = stream all)")
     return modes, clips
@@ -517,7 +581,7 @@ def _main(argv: list[str] | None) -> int:
         if not torch.cuda.is_available():
             raise UserError("the 33 B model needs a CUDA GPU; pass --smoke for the CPU smoke with the tiny preset")
         at_most_card("--cap-gib", a.cap_gib)
-    passthrough = [f"--resident-blocks={a.resident_blocks}", f"--steps={a.steps}",
+    passthrough = [f"--resident-blocks={a.resident_blocks}", f"--recompute-inputs={a.recompute_inputs}", f"--steps={a.steps}",
                    f"--micro-batches={a.micro_batches}", f"--lora-rank={a.lora_rank}"]
     if a.gpu_budget_gib:
         passthrough.append(f"--gpu-budget-gib={a.gpu_budget_gib}")

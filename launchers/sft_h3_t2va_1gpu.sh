@@ -12,7 +12,8 @@
 # --fsdp-resident-blocks auto (as many blocks stay on the card as it holds, the rest streamed from the host with
 # side-stream prefetch; RESIDENT_BLOCKS=N or none to change it) and --fsdp-master-dtype bf16 on a GPU.
 # Reads: FROM_GPUS (8), RESIDENT_BLOCKS (auto; on a GPU), OUTPUT_ROOT (outputs), DATASET_PATH (default: the sample dataset), MASTER_PORT (the
-# one-rank process group's port; default: a free one, or pass --master-port), BASE_CHECKPOINT_PATH (a diffusers
+# one-rank process group's port; default: a free one, or pass --master-port), PYTORCH_CUDA_ALLOC_CONF (default
+# expandable_segments:True: less allocator slack under a capped card), BASE_CHECKPOINT_PATH (a diffusers
 # MiniMaxH3Transformer3DModel safetensors checkpoint streamed into the base; default: random weights).
 # Writes $OUTPUT_ROOT/h3_t2va_sft/: summary.json, checkpoints/iter_<rollout, 9 digits>.pt after every rollout and
 # checkpoints/latest_checkpoint.txt naming the newest. Run it again with a larger --num-rollout to resume; with
@@ -64,6 +65,7 @@ offload_out="$(cd "$here" && "$PYTHON" -m miles_ext.levers.residency launcher-ar
 offload=()
 [[ -n "$offload_out" ]] && mapfile -t offload <<< "$offload_out"
 export PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"  # less allocator slack
 exec "$PYTHON" -m miles_ext.recipe.train --from-gpus "$from" --fsdp-master-dtype bf16 ${offload[@]+"${offload[@]}"} \
   --output-dir "${OUTPUT_ROOT:-outputs}/h3_t2va_sft" ${DATASET_PATH:+--data-dir "$DATASET_PATH"} \
   ${BASE_CHECKPOINT_PATH:+--base-checkpoint-path "$BASE_CHECKPOINT_PATH"} "$@"

@@ -55,9 +55,11 @@ def test_print_commands_one_configuration_each_under_the_command_limit_and_in_th
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     runs = [x for x in lines if "--modes" in x]
-    assert len(runs) == 4 + 3 * 3 + 1 and lines[-1] == "python benchmarks/h3_1gpu.py --merge outputs/h3_1gpu_runs"
-    capped = [x for x in runs if "--cap-gib" in x]  # the 24 GB card: full offload at the recipe's clip, capped
-    assert len(capped) == 1 and "--modes offload --clips 107x768x1344" in capped[0] and "--cap-gib 22.06" in capped[0]
+    assert len(runs) == 4 + 3 * 3 + 2 and lines[-1] == "python benchmarks/h3_1gpu.py --merge outputs/h3_1gpu_runs"
+    capped = [x for x in runs if "--cap-gib" in x]  # the 24 GB card: full offload at the recipe's clip, capped,
+    assert len(capped) == 2 and all("--modes offload --clips 107x768x1344" in c and "--cap-gib 22.06" in c
+                                    for c in capped)
+    assert ["--recompute-inputs auto" in c for c in capped] == [False, True]  # plain, then with the lever
     outs = set()
     for cmd in runs:
         args = cmd.split("; ", 1)[1].split()
@@ -123,7 +125,7 @@ def test_a_failed_row_still_records_its_cap(monkeypatch):
     monkeypatch.delenv("ONECARD_GPU_MEMORY_GIB", raising=False)
     row = bench.child("offload", "107x768x1344", [], 1.0, cap_gib=22.06)
     assert row["ok"] is False and row["cap_gib"] == 22.06 and seen["ONECARD_GPU_MEMORY_GIB"] == "22.06"
-    assert "| 107x768x1344 | offload | 22.06 | | failed: timed out" in bench.table([row])
+    assert "| 107x768x1344 | offload | 22.06 | | 0 | failed: timed out" in bench.table([row])
     assert bench.child("offload", "107x768x1344", [], 1.0)["cap_gib"] is None
 
 
@@ -156,8 +158,10 @@ def test_table_prints_the_cap_and_floor_in_decimal_units():
            "host_peak_gib": 69.1, "pinned_requested_bytes": 10**10, "pinned_locked_bytes": 10**10,
            "h2d_bytes_per_step": 4 * 10**10, "h2d_gb_s": 50.0, "pcie_floor_s": 0.8, "init_s": 40,
            "init_meta_shard_s": 39, "init_materialise_s": 1, "init_rest_s": 0, "optimizer_device": "cpu"}
-    assert "| 107x768x1344 | offload | 22.06 | none | 38.27 |" in bench.table([row])
+    assert "| 107x768x1344 | offload | 22.06 | none | 0 | 38.27 | 20.5 |" in bench.table([row])
     assert "| 40.0 | 0.80 (50.0) |" in bench.table([row])
+    lever = dict(row, recompute_block_inputs=18, predicted_peak_gib=20.86)  # the lever's row: its count and the model
+    assert "| 22.06 | none | 18 | 38.27 | 20.5 (20.9) |" in bench.table([lever])
 
 
 def test_merge_refuses_a_zero_cap_or_bandwidth(tmp_path):

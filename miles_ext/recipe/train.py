@@ -131,9 +131,14 @@ class H3SFTConfig:
     blocks (its _no_split_modules: transformer, token-refiner and output-norm blocks) kept on the GPU, with the LoRA
     adapters, their gradients and AdamW state; the other blocks stream from the host with prefetch. auto: the largest
     N the memory model fits in --gpu-budget-gib (printed with its terms); none or unset: every block streams."""
+    recompute_block_inputs: Optional[str] = None
+    """Gradient checkpointing keeps every transformer block's input until its backward; recompute this many of them
+    instead (miles_ext.levers.input_recompute: every second block at most, each costing one more forward of the block
+    before it; gradients bitwise unchanged). auto (with --fsdp-cpu-offload and no --fsdp-resident-blocks): the fewest
+    that fit full offload's peak in --gpu-budget-gib less 1 GiB (printed with its terms); none or unset: 0."""
     gpu_budget_gib: Optional[float] = dataclasses.field(default=None, metadata=meaning(gt=0, why="GiB of GPU memory"))
-    """GPU memory in GiB that --fsdp-resident-blocks auto fills; default: $ONECARD_GPU_MEMORY_GIB, else the card's total
-    memory."""
+    """GPU memory in GiB that --fsdp-resident-blocks auto and --recompute-block-inputs auto fill; default:
+    $ONECARD_GPU_MEMORY_GIB, else the card's total memory."""
     deterministic_mode: bool = False
     """Deterministic algorithms (errors, not warnings), cuDNN flags, cuBLAS workspace."""
     text_encoder_random_weights: bool = False
@@ -303,11 +308,21 @@ class H3SFTRecipe(Recipe):
             raise UserError("--fsdp-sync-h2d turns off the side-stream host-to-device prefetch of partial residency, "
                             "which this run does not use: add --fsdp-cpu-offload --fsdp-resident-blocks auto|N, or "
                             "drop --fsdp-sync-h2d")
+        from miles_ext.levers.input_recompute import parse_setting
+
+        self.recompute_value = parse_setting(cfg.recompute_block_inputs, "--recompute-block-inputs")
+        if self.recompute_value == "auto" and not (cfg.fsdp_cpu_offload and self.resident_value is None):
+            raise UserError("--recompute-block-inputs auto plans the GPU peak of full offload (every block streamed): "
+                            "add --fsdp-cpu-offload without --fsdp-resident-blocks, or give a number")
+        if isinstance(self.recompute_value, int) and self.recompute_value > self.preset.num_layers // 2:
+            raise UserError(f"--recompute-block-inputs {self.recompute_value}: at most every second of the "
+                            f"{self.preset.name} preset's {self.preset.num_layers} transformer blocks can have its "
+                            f"input recomputed: use 0 to {self.preset.num_layers // 2}, or auto")
         budget = cfg.gpu_budget_gib
         if budget is not None:
-            if self.resident_value != "auto":
-                raise UserError(f"--gpu-budget-gib {budget} is the budget --fsdp-resident-blocks auto fills: add "
-                                "--fsdp-resident-blocks auto, or drop --gpu-budget-gib")
+            if self.resident_value != "auto" and self.recompute_value != "auto":
+                raise UserError(f"--gpu-budget-gib {budget} is the budget --fsdp-resident-blocks auto and "
+                                "--recompute-block-inputs auto fill: add one of them, or drop --gpu-budget-gib")
             if self.device.type == "cuda":
                 card = gpu_budget_bytes(self.device)
                 if budget * GiB > card:
@@ -317,6 +332,9 @@ class H3SFTRecipe(Recipe):
         if self.resident_value == "auto" and budget is None and self.device.type != "cuda":
             raise UserError("--fsdp-resident-blocks auto fills the card's memory and no GPU was found: pass "
                             "--gpu-budget-gib, or a number of blocks")
+        if self.recompute_value == "auto" and budget is None and self.device.type != "cuda":
+            raise UserError("--recompute-block-inputs auto fills the card's memory and no GPU was found: pass "
+                            "--gpu-budget-gib, or a number of block inputs")
 
     def _check_resident_count(self) -> None:
         """A number of resident blocks against the preset's FSDP blocks (on a meta-device model).
@@ -490,11 +508,27 @@ class H3SFTRecipe(Recipe):
             master_dtype=self.master, cpu_offload=cfg.fsdp_cpu_offload, source=source,
             plan_resident=self._plan_residency, h2d_prefetch=False if cfg.fsdp_sync_h2d else None)
         model, self.init_report = built.model, built.report
+        self._recompute_inputs(model)
         self.rss_peak_init = proc_status_kib(("VmHWM",))["VmHWM"] * 1024  # the process's peak RSS so far
         if not cfg.fsdp_cpu_offload and self.device.type == "cuda":
             model.to(self.device)
         self.model = model
         self.lora = lora_parameters(model)
+
+    def _recompute_inputs(self, model: torch.nn.Module) -> None:
+        """``--recompute-block-inputs``: resolve the count (``auto``: the full-offload model for the budget and the
+        longest pair's :attr:`max_tokens`) and install :mod:`miles_ext.levers.input_recompute`. Sets
+        :attr:`recompute_count` and :attr:`recompute_plan`."""
+        from miles_ext.levers import input_recompute
+
+        gib = self.cfg.gpu_budget_gib
+        value = getattr(self, "recompute_value", 0)  # a caller that skipped the preflight: the lever is off
+        budget = int(gib * GiB) if gib is not None else (gpu_budget_bytes(self.device) if value == "auto" else None)
+        self.recompute_count, self.recompute_plan = input_recompute.resolve_count(
+            model, value, source="--recompute-block-inputs",
+            full_offload=self.cfg.fsdp_cpu_offload and getattr(self, "resident_value", None) is None,
+            budget_bytes=budget, tokens=self.max_tokens, say=lambda line: print(line, flush=True))
+        input_recompute.enable(model, self.recompute_count)
 
     def _plan_residency(self, model: torch.nn.Module) -> Optional[list[int]]:
         """``--fsdp-resident-blocks``: the indices of the resident FSDP blocks (``None``: flag unset), from the one
@@ -524,6 +558,7 @@ class H3SFTRecipe(Recipe):
               f"{self.init_report.seconds:.1f} s), LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha}: {len(self.lora)} tensors, {n_lora:,} "
               f"params fp32; master {cfg.fsdp_master_dtype}, cpu offload {cfg.fsdp_cpu_offload}"
               + (f" with {self.resident_count} blocks resident" if self.resident_count is not None else "")
+              + (f", {self.recompute_count} block inputs recomputed" if getattr(self, "recompute_count", 0) else "")
               + (f", side-stream H2D prefetch on {hp['units']} units"
                  if (hp := getattr(self.model, "_onecard_h2d_prefetch", None)) and hp["units"] else "")
               + f"; init {self.init_s:.0f} s, host RSS {self.rss_init / GiB:.1f} GiB", flush=True)
@@ -680,6 +715,8 @@ class H3SFTRecipe(Recipe):
             # how offloaded shards reach the GPU: side-stream prefetch, FSDP2's copy at use, or nothing offloaded
             h2d=("prefetch" if attached(self.model) else "sync") if cfg.fsdp_cpu_offload else None,
             fsdp_resident_blocks=self.resident_count,
+            recompute_block_inputs=self.recompute_count,
+            input_recompute_plan_bytes=dict(self.recompute_plan.terms) if self.recompute_plan else None,
             residency_plan_bytes=dict(self.resident_plan.terms) if self.resident_plan else None,
             optimizer_device=to_local(next(iter(self.lora.values()))).device.type,
             init_s=self.init_s,
