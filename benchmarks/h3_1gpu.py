@@ -229,12 +229,13 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
                                       source=fast_init.RandomInit(0, draw_device=None if cuda else "cpu"),
                                       plan_resident=plan_resident, mesh=mesh,
                                       param_dtype=torch.bfloat16 if cuda else None,
-                                      h2d_prefetch=False if a.sync_h2d else (True if a.prefetch_h2d else None))
+                                      h2d_prefetch=False if a.sync_h2d else (True if a.prefetch_h2d else None),
+                                      prefetch_adapters=not a.late_adapters)
     model, resident = built.model, built.resident
     recompute, rplan = input_recompute.resolve_count(
         model, a.recompute_inputs, source="--recompute-inputs", full_offload=mode == "offload",
         budget_bytes=gpu_budget_bytes(device) if cuda else int(1 * GiB), tokens=tokens, act_bytes=2 if cuda else 4,
-        say=lambda line: print(line, flush=True))
+        prefetch=mode == "offload" and a.prefetch_h2d, say=lambda line: print(line, flush=True))
     lever = input_recompute.enable(model, recompute)
     if cuda and not offload:
         model.to(device)
@@ -280,6 +281,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "h2d": "prefetch" if attached(model) else "sync",
             "h2d_prefetch": getattr(model, "_onecard_h2d_prefetch", None),
             "h2d_staged": sum(p.staged for p in attached(model)), "h2d_dropped": sum(p.dropped for p in attached(model)),
+            "adapters_prefetched": not a.late_adapters,
             "cap_gib": cap_gib, "h2d_gb_s": gb_s, "h2d_bytes_per_step": h2d_bytes, "pcie_floor_s": floor_s,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0,
@@ -358,6 +360,8 @@ def table(results: list[dict]) -> str:
         h2d = "" if "h2d_bytes_per_step" not in r else f"{r['h2d_bytes_per_step'] / 1e9:.1f}"
         floor = ("" if r.get("pcie_floor_s") is None else f"{r['pcie_floor_s']:.2f} ({r['h2d_gb_s']:.1f})")
         mode = r["mode"] + {"prefetch": " (H2D prefetch)", "sync": ""}.get(r.get("h2d"), "")
+        if r.get("h2d") == "prefetch" and r.get("adapters_prefetched") is False:
+            mode += " (adapters late)"
         blocks = "none" if r["mode"] == "offload" else r["resident_blocks"]
         predicted = "" if r.get("predicted_peak_gib") is None else f" ({r['predicted_peak_gib']:.1f})"
         rows.append(f"| {r['clip']} | {mode} | {cap(r)} | {blocks} | {r.get('recompute_block_inputs', 0)} | "
@@ -388,7 +392,7 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
     if recompute not in ("0", "none", ""):
         opts += f" --recompute-inputs {recompute}"
     sync = " --sync-h2d" if a.sync_h2d else ""
-    pre = " --prefetch-h2d" if a.prefetch_h2d else ""
+    pre = (" --prefetch-h2d" + (" --late-adapters" if a.late_adapters else "")) if a.prefetch_h2d else ""
     configs = [(m, c) for c in clips for m in modes]
     if probe:
         configs = [("resident", f"{f}x480x832") for f in PROBE_FRAMES] + configs
@@ -401,7 +405,7 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
                                                                  if a.gpu_budget_gib else "") + sync
             tag += "_sync" if sync else ""
         if m == "offload" and pre:
-            extra, tag = pre, tag + "_prefetch"
+            extra, tag = pre, tag + ("_prefetch_late" if a.late_adapters else "_prefetch")
         cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes {m} --clips {c} {opts}{extra} "
                     f"--timeout-s {CHILD_TIMEOUT_S} --out {shlex.quote(f'{out}/{tag}')}")
     if not a.cap_gib and "offload" in modes:  # the 24 GB card: full offload at the recipe's clip under its cap,
@@ -500,6 +504,10 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--prefetch-h2d", action="store_true",
                     help="offload: the side-stream prefetch under full offload too (off there by default: measured "
                          "slower on the H200)")
+    ap.add_argument("--late-adapters", action="store_true",
+                    help="offload with --prefetch-h2d: gather each block's offloaded adapters when the block starts "
+                         "(the order before 2026-12-04, its copy behind the next block's on the side stream) instead "
+                         "of prefetching them with the block: the same-run baseline of that change")
     ap.add_argument("--sync-h2d", action="store_true",
                     help="partial: FSDP2's own host-to-device copy on the compute stream (no side-stream "
                          "prefetch, miles_ext.levers.h2d_prefetch): the stock-torch baseline of the same mode")
@@ -538,6 +546,9 @@ def _check_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     if a.prefetch_h2d and "offload" not in modes:
         raise UserError("--prefetch-h2d turns the side-stream prefetch on under full offload (partial residency has "
                         "it by default): add offload to --modes, or drop --prefetch-h2d")
+    if a.late_adapters and not a.prefetch_h2d:
+        raise UserError("--late-adapters changes when the side-stream prefetch gathers the offloaded adapters: add "
+                        "--prefetch-h2d (and --modes offload), or drop --late-adapters")
     if a.sync_h2d and "partial" not in modes:
         raise UserError("--sync-h2d turns off the side-stream prefetch of partial residency, the only mode that uses "
                         "it: add partial to --modes, or drop --sync-h2d")
@@ -589,6 +600,8 @@ def _main(argv: list[str] | None) -> int:
         passthrough.append("--sync-h2d")
     if a.prefetch_h2d:
         passthrough.append("--prefetch-h2d")
+    if a.late_adapters:
+        passthrough.append("--late-adapters")
     if a.smoke:  # the tiny model fits any budget: stream 3 of its 4 blocks so that partial residency streams
         passthrough = [x for x in passthrough if not x.startswith("--resident-blocks")]
         passthrough += ["--smoke", "--resident-blocks=1"]

@@ -1,4 +1,4 @@
-"""``miles_ext.recipe.train --recompute-block-inputs auto|N`` on the CPU, tiny preset (2 transformer blocks): the flag
+"""``miles_ext.recipe.train --recompute-block-inputs auto|N`` (and ``--fsdp-prefetch-h2d``) on the CPU, tiny preset (2 transformer blocks): the flag
 reaches :mod:`miles_ext.levers.input_recompute` (the count in the model line and the summary), the LoRA trained equals
 the plain checkpoint's bitwise under full offload, ``auto`` prints its plan, and each bad value is one ``error:`` line
 before any work."""
@@ -15,7 +15,8 @@ from tests.test_h3_train_residency import lora_of, small, train  # noqa: F401  (
 def test_recomputed_input_trains_the_plain_lora_bitwise(small, tmp_path, capsys):  # noqa: F811
     runs = {"plain": ["--fsdp-cpu-offload"],
             "one": ["--fsdp-cpu-offload", "--recompute-block-inputs", "1"],
-            "auto": ["--fsdp-cpu-offload", "--recompute-block-inputs", "auto", "--gpu-budget-gib", "64"]}
+            "auto": ["--fsdp-cpu-offload", "--recompute-block-inputs", "auto", "--gpu-budget-gib", "64"],
+            "prefetch": ["--fsdp-cpu-offload", "--fsdp-prefetch-h2d", "--recompute-block-inputs", "1"]}
     outs = {}
     for name, extra in runs.items():
         rc, out, err = train(small, tmp_path / name, *extra, capsys=capsys)
@@ -24,10 +25,12 @@ def test_recomputed_input_trains_the_plain_lora_bitwise(small, tmp_path, capsys)
     assert "1 block inputs recomputed" in outs["one"] and "block inputs recomputed" not in outs["plain"]
     assert "input recompute auto: 0 block inputs recomputed; predicted peak" in outs["auto"]
     s = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in runs}
-    assert [s[n]["recompute_block_inputs"] for n in runs] == [0, 1, 0]
+    assert [s[n]["recompute_block_inputs"] for n in runs] == [0, 1, 0, 1]
     assert s["auto"]["input_recompute_plan_bytes"]["block inputs"] > 0 and s["one"]["input_recompute_plan_bytes"] is None
-    a, b = lora_of(tmp_path / "plain"), lora_of(tmp_path / "one")
-    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    a = lora_of(tmp_path / "plain")
+    for other in ("one", "prefetch"):  # on the CPU the prefetch wiring runs (no side stream): the same values
+        b = lora_of(tmp_path / other)
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), other
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -40,6 +43,9 @@ def test_recomputed_input_trains_the_plain_lora_bitwise(small, tmp_path, capsys)
     (["--fsdp-cpu-offload", "--recompute-block-inputs", "auto"], "no GPU was found: pass --gpu-budget-gib"),
     (["--fsdp-cpu-offload", "--recompute-block-inputs", "1", "--gpu-budget-gib", "8"],
      "--gpu-budget-gib 8.0 is the budget"),
+    (["--fsdp-prefetch-h2d"], "without --fsdp-cpu-offload nothing is offloaded"),
+    (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "1", "--fsdp-prefetch-h2d", "--fsdp-sync-h2d"],
+     "ask for opposite things"),
 ])
 def test_bad_settings_are_one_error_line_before_any_work(small, tmp_path, capsys, extra, message):  # noqa: F811
     rc, out, err = train(small, tmp_path / "bad", *extra, capsys=capsys)

@@ -383,7 +383,8 @@ class FastBuild:
 
 def build_lora_fsdp(build: Callable[[], nn.Module], *, seed: int, lora: dict[str, Any], master_dtype: str | torch.dtype, cpu_offload: bool,
                     source: "RandomInit | CheckpointInit | None" = None, plan_resident=None, mesh=None,
-                    param_dtype: torch.dtype | None = torch.bfloat16, h2d_prefetch: bool | None = None) -> FastBuild:
+                    param_dtype: torch.dtype | None = torch.bfloat16, h2d_prefetch: bool | None = None,
+                    prefetch_adapters: bool = True) -> FastBuild:
     """The low-RAM init order the trainer and ``benchmarks/h3_1gpu.py`` share: :func:`meta_model` of ``build`` ->
     ``torch.manual_seed(seed)`` (the LoRA init's draws) -> :func:`attach_lora_materialised` -> gradient checkpointing,
     train mode -> :func:`miles_ext.levers.fsdp_policy.set_master_dtype` (the stored dtypes the residency plan counts) ->
@@ -402,6 +403,7 @@ def build_lora_fsdp(build: Callable[[], nn.Module], *, seed: int, lora: dict[str
         mesh: ``apply_fsdp2``'s mesh (``None``: the default process group's).
         param_dtype: ``apply_fsdp2``'s compute dtype (``None``: the stored dtype).
         h2d_prefetch: ``apply_fsdp2``'s side-stream host-to-device prefetch (:mod:`miles_ext.levers.h2d_prefetch`).
+        prefetch_adapters: ``apply_fsdp2``'s adapter units prefetched with their blocks (``False``: the earlier order).
 
     Returns:
         A :class:`FastBuild`. Build the optimizer from ``model`` afterwards (materialise makes new parameter objects).
@@ -427,7 +429,8 @@ def build_lora_fsdp(build: Callable[[], nn.Module], *, seed: int, lora: dict[str
     meta = sum(1 for n, p in model.named_parameters() if p.is_meta and ".lora_A." not in n and ".lora_B." not in n)
     fsdp_policy.apply_fsdp2(model, cpu_offload=cpu_offload, master_dtype=master_dtype, param_dtype=param_dtype,
                             mesh=mesh, exact_pin=True,  # offloaded shards in one exact-size pinned arena
-                            resident=resident, adapters_on_device=resident is not None, h2d_prefetch=h2d_prefetch)
+                            resident=resident, adapters_on_device=resident is not None, h2d_prefetch=h2d_prefetch,
+                            prefetch_adapters=prefetch_adapters)
     t1 = time.perf_counter()
     report = materialise(model, source if source is not None else RandomInit(seed))
     return FastBuild(model=model, report=report, resident=resident, build_s=t1 - t0,

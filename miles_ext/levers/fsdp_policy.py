@@ -158,6 +158,7 @@ def apply_fsdp2(
     prefetch: int = 1,
     no_split_modules: Iterable[str] | None = None,
     h2d_prefetch: bool | None = None,
+    prefetch_adapters: bool = True,
 ) -> nn.Module:
     """Shard ``model`` with FSDP2, in place: adapter units, then one unit per ``_no_split_modules`` block, then
     the root. Returns ``model``. A process group must be initialised (``mesh=None`` uses the default one).
@@ -194,6 +195,10 @@ def apply_fsdp2(
             offload (every block then prefetches the next), where it was measured slower
             (``docs/levers/h2d-prefetch.md``); ``False``: never. Ineligible units (a CPU mesh, world size > 1) are left as they are; the report is
             ``model._onecard_h2d_prefetch``.
+        prefetch_adapters: with the explicit prefetch, each block's offloaded LoRA adapter unit is prefetched just
+            before its block (:func:`miles_ext.levers.residency.wire_prefetch`'s ``companions``) instead of gathered
+            when the block starts, where its copy would wait on the one side stream behind the next block's. ``False``
+            is the earlier behaviour (the same-run baseline of the change; values identical either way).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -242,7 +247,11 @@ def apply_fsdp2(
     if keep is not None or prefetch_h2d:
         from miles_ext.levers.residency import wire_prefetch
 
-        wire_prefetch(blocks, [i for i in range(len(blocks)) if keep is None or i not in keep], depth=prefetch)
+        # offloaded adapter units are prefetched with their block (just before it), not gathered when it starts
+        companions = ({i: _adapter_linears(b)[:1] for i, b in enumerate(blocks)}
+                      if prefetch_adapters and offload is not None and not adapters_on_device else None)
+        wire_prefetch(blocks, [i for i in range(len(blocks)) if keep is None or i not in keep], depth=prefetch,
+                      companions=companions)
     if exact_pin and offload is not None:
         from miles_ext.levers.pinned import pin_offloaded_shards
 

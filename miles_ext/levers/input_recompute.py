@@ -45,10 +45,11 @@ from patches.core.units import GiB
 __all__ = ["InputRecompute", "enable", "select_dropped", "full_offload_terms", "plan_dropped", "DroppedPlan",
            "parse_setting", "resolve_count", "FULL_OFFLOAD_MARGIN_GIB", "FRAGMENTATION_GIB"]
 
-FULL_OFFLOAD_MARGIN_GIB = 0.5
-"""What a full-offload step holds besides the streamed block, the block inputs and one block's backward working set
-(GiB): embeddings, the loss, gathered adapters. Calibrated on the 2026-11-30/12-01 full-offload H200 rows (576, 8,530
-and 27,580 tokens: 2.17, 8.49, 24.2 GiB), which the model then over-predicts by 0.0-0.4 GiB."""
+FULL_OFFLOAD_MARGIN_GIB = 0.6
+"""What a full-offload step holds besides the gathered blocks, the block inputs and one block's backward working set
+(GiB): embeddings, the loss, gathered adapters, staging. Calibrated on the full-offload H200 rows of 2026-11-30 to
+12-04 (576 to 27,580 tokens, with and without the side-stream prefetch, with 18 inputs recomputed), which the model
+then over-predicts by 0.01-0.51 GiB (``tests/equivalence/test_h3_input_recompute.py``)."""
 
 FRAGMENTATION_GIB = 1.0
 """Room left between the peak allocated and a card cap (the allocator's reserved-but-free blocks), GiB: ``auto``
@@ -197,12 +198,14 @@ def enable(model: nn.Module, k: int) -> InputRecompute | None:
 
 # ------------------------------------------------------------------------------------------------ memory model
 def full_offload_terms(tokens: int, *, num_blocks: int, hidden: int, ffn_dim: int, block_bytes: int, dropped: int = 0,
-                       act_bytes: int = 2) -> dict[str, int]:
+                       act_bytes: int = 2, prefetch: bool = False) -> dict[str, int]:
     """The GPU bytes of a full-offload H3 step (every unit streamed, adapters and AdamW on the host), term by term.
 
     - ``streamed block``: the running block's gathered weights (``block_bytes``, the largest block);
-    - ``block before a recomputed input``: one more block gathered while a dropped input's block runs its backward
-      (``block_bytes`` when ``dropped > 0``);
+    - ``second gathered block``: ``block_bytes`` when ``dropped > 0`` (the block before a recomputed input, gathered
+      while the next block runs its backward) or ``prefetch`` (the side-stream prefetch's staged copy of the next
+      block, :mod:`miles_ext.levers.h2d_prefetch`); both at once are still one block: the recipe's forward consumes
+      the staged copy;
     - ``block inputs``: ``(num_blocks - dropped) * tokens * hidden * act_bytes`` (``num_blocks``: every FSDP block,
       as :func:`miles_ext.levers.residency.plan_resident_blocks` counts them);
     - ``backward working set``: ``tokens * (12 * hidden + 3 * ffn_dim) * 2 * 1.5`` (the residency model's term);
@@ -210,7 +213,7 @@ def full_offload_terms(tokens: int, *, num_blocks: int, hidden: int, ffn_dim: in
     """
     return {
         "streamed block": int(block_bytes),
-        "block before a recomputed input": int(block_bytes) if dropped else 0,
+        "second gathered block": int(block_bytes) if dropped or prefetch else 0,
         "block inputs": (num_blocks - dropped) * tokens * hidden * act_bytes,
         "backward working set": int(tokens * (12 * hidden + 3 * ffn_dim) * 2 * 1.5),
         "margin": int(FULL_OFFLOAD_MARGIN_GIB * GiB),
@@ -237,7 +240,7 @@ class DroppedPlan:
 
 
 def plan_dropped(tokens: int, *, budget_bytes: int, num_blocks: int, num_transformer_blocks: int, hidden: int,
-                 ffn_dim: int, block_bytes: int, act_bytes: int = 2) -> DroppedPlan:
+                 ffn_dim: int, block_bytes: int, act_bytes: int = 2, prefetch: bool = False) -> DroppedPlan:
     """The fewest recomputed block inputs (0 .. ``num_transformer_blocks // 2``) whose full-offload peak
     (:func:`full_offload_terms`) is within ``budget_bytes - FRAGMENTATION_GIB``.
 
@@ -248,7 +251,7 @@ def plan_dropped(tokens: int, *, budget_bytes: int, num_blocks: int, num_transfo
     most = num_transformer_blocks // 2
     for k in range(most + 1):
         terms = full_offload_terms(tokens, num_blocks=num_blocks, hidden=hidden, ffn_dim=ffn_dim,
-                                   block_bytes=block_bytes, dropped=k, act_bytes=act_bytes)
+                                   block_bytes=block_bytes, dropped=k, act_bytes=act_bytes, prefetch=prefetch)
         if sum(terms.values()) <= target:
             return DroppedPlan(k, terms, int(budget_bytes))
     raise UserError(f"a {budget_bytes / GiB:.2f} GiB GPU budget does not hold {tokens} tokens under full offload even "
@@ -279,10 +282,11 @@ def parse_setting(value: "str | int | None", source: str) -> "str | int":
 
 
 def resolve_count(model: nn.Module, value: "str | int | None", *, source: str, full_offload: bool,
-            budget_bytes: int | None, tokens: int, act_bytes: int = 2, say=print) -> tuple[int, DroppedPlan | None]:
+            budget_bytes: int | None, tokens: int, act_bytes: int = 2, prefetch: bool = False,
+            say=print) -> tuple[int, DroppedPlan | None]:
     """The number of block inputs to recompute for ``model`` (meta or real, stored dtypes) and, for ``auto``, the
-    plan. ``auto`` plans full offload's peak (:func:`plan_dropped`) for ``budget_bytes`` and ``tokens`` and prints its
-    line through ``say``.
+    plan. ``auto`` plans full offload's peak (:func:`plan_dropped`; ``prefetch``: the side-stream prefetch is on) for
+    ``budget_bytes`` and ``tokens`` and prints its line through ``say``.
 
     Raises:
         UserError: a bad value (:func:`parse_setting`); a count above half the transformer blocks; ``auto`` without
@@ -309,6 +313,6 @@ def resolve_count(model: nn.Module, value: "str | int | None", *, source: str, f
     hidden, ffn = model_widths(model)
     plan = plan_dropped(tokens, budget_bytes=int(budget_bytes), num_blocks=num_blocks, num_transformer_blocks=blocks,
                         hidden=hidden, ffn_dim=ffn, block_bytes=max(_base_bytes(b) for b in base.transformer_blocks),
-                        act_bytes=act_bytes)
+                        act_bytes=act_bytes, prefetch=prefetch)
     say(f"onecard: {plan.line()} at {tokens} tokens")
     return plan.dropped, plan

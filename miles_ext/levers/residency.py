@@ -84,15 +84,26 @@ def select_resident(num_blocks: int, n: int) -> list[int]:
     return [i for i in range(num_blocks) if i not in out]
 
 
-def wire_prefetch(blocks: Sequence[nn.Module], streamed: Sequence[int], depth: int = 1) -> None:
+def wire_prefetch(blocks: Sequence[nn.Module], streamed: Sequence[int], depth: int = 1,
+                  companions: "dict[int, Sequence[nn.Module]] | None" = None) -> None:
     """Explicit FSDP2 prefetch of the streamed blocks: in forward each block gathers the next ``depth`` streamed
-    blocks after it; in backward, the previous ``depth`` before it. ``depth`` 0 leaves FSDP2's implicit order."""
+    blocks after it; in backward, the previous ``depth`` before it. ``depth`` 0 leaves FSDP2's implicit order.
+
+    ``companions[j]``: other FSDP2 units block ``j`` needs gathered when it runs (its offloaded LoRA adapter unit),
+    prefetched just before block ``j`` itself. With one side stream for every copy
+    (:mod:`miles_ext.levers.h2d_prefetch`) a unit gathered only when its block starts waits behind the copy of the
+    block prefetched after it (measured: full offload slower with the prefetch than without)."""
     if depth <= 0 or not streamed:
         return
     streamed = sorted(streamed)
+    extra = companions or {}
+
+    def units(js: list[int]) -> list[nn.Module]:
+        return [u for j in js for u in (*extra.get(j, ()), blocks[j])]
+
     for i, block in enumerate(blocks):
-        ahead = [blocks[j] for j in streamed if j > i][:depth]
-        behind = [blocks[j] for j in reversed(streamed) if j < i][:depth]
+        ahead = units([j for j in streamed if j > i][:depth])
+        behind = units([j for j in reversed(streamed) if j < i][:depth])
         if ahead:
             block.set_modules_to_forward_prefetch(ahead)  # type: ignore[operator]
         if behind:

@@ -42,8 +42,24 @@ def _cpu_worker(rank: int, world: int, out_dir: str) -> None:
         m = make_lora_model()
         apply_fsdp2(m, cpu_offload=True, param_dtype=None, mesh=cpu_mesh(), exact_pin=True, **kw)
         defaults[name] = hasattr(m, "_onecard_h2d_prefetch")
-    torch.save({"report": model._onecard_h2d_prefetch, "attached": len(attached(model)),
-                "eligible": eligible(block), "error": error, "defaults": defaults}, Path(out_dir) / "cpu.pt")
+    # under full offload each block's offloaded adapter unit is prefetched just before the block, by the block before
+    from miles_ext.levers.fsdp_policy import _adapter_linears
+
+    wrap = set(model._no_split_modules)
+    blocks = [m for m in model.modules() if type(m).__name__.removeprefix("FSDP") in wrap]
+    order = {}
+    for late in (False, True):
+        m = make_lora_model()
+        apply_fsdp2(m, cpu_offload=True, param_dtype=None, mesh=cpu_mesh(), exact_pin=True, h2d_prefetch=True,
+                    prefetch_adapters=not late)
+        bs = [x for x in m.modules() if type(x).__name__.removeprefix("FSDP") in wrap]
+        names = {id(b._get_fsdp_state()): f"block{i}" for i, b in enumerate(bs)}
+        names.update({id(a[0]._get_fsdp_state()): f"adapters{i}" for i, b in enumerate(bs)
+                      if (a := _adapter_linears(b))})
+        order[late] = [[names[id(st)] for st in b._get_fsdp_state()._states_to_forward_prefetch] for b in bs[:2]]
+    torch.save({"report": model._onecard_h2d_prefetch, "attached": len(attached(model)), "blocks": len(blocks),
+                "eligible": eligible(block), "error": error, "defaults": defaults, "order": order},
+               Path(out_dir) / "cpu.pt")
 
 
 def test_cpu_mesh_attaches_nothing_and_says_why(tmp_path):
@@ -55,6 +71,10 @@ def test_cpu_mesh_attaches_nothing_and_says_why(tmp_path):
     assert sum(r["report"]["skipped"].values()) > 0
     # by default only partial residency asks for it (measured slower under full offload on the H200)
     assert r["defaults"] == {"offload": False, "partial": True}
+    # each block gathers the next block's adapter unit just before the block itself (False); the earlier order (True)
+    # left the adapters to the block's own start
+    assert r["order"][False][0][-2:] == ["adapters1", "block1"], r["order"]
+    assert r["order"][True][0][-1:] == ["block1"] and "adapters1" not in r["order"][True][0], r["order"]
 
 
 # ------------------------------------------------------------------------------- on the GPU (device machine)

@@ -157,6 +157,18 @@ def test_wire_prefetch_geometry_by_hand(depth, forward, backward):
     assert all(b.forward is None and b.backward is None for b in untouched)
 
 
+def test_wire_prefetch_puts_each_companion_just_before_its_block():
+    """Blocks 1 and 3 of four streamed, block 3 with a companion unit (its adapters, id 30) and block 1 with two (10,
+    11): forward from block 0 gathers 10, 11, 1; from blocks 1 and 2 gathers 30, 3; backward from block 3 gathers 10,
+    11, 1. Written out by hand."""
+    from miles_ext.levers.residency import wire_prefetch
+
+    blocks = [_Block(i) for i in range(4)]
+    wire_prefetch(blocks, [1, 3], depth=1, companions={1: [_Block(10), _Block(11)], 3: [_Block(30)]})
+    assert [b.forward for b in blocks] == [[10, 11, 1], [30, 3], [30, 3], None]
+    assert [b.backward for b in blocks] == [None, None, [10, 11, 1], [10, 11, 1]]
+
+
 def test_plan_terms_by_hand():
     """The memory model on numbers small enough to add by hand: ten blocks of 1 B but one of 2 B (given in the
     middle), root 1, adapters 1 (x5 = 5), tokens = hidden = ffn = 1 at 2 B (activations 10 x 2 + int(15 x 2 x 1.5)
