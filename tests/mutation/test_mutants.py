@@ -24,6 +24,8 @@ README_PLANTED_BUGS = {
     "compiled blocks: a recompile per micro-batch length",
     "exact pinned memory: the 5 % check accepts the power-of-two rounding",
     "exact pinned arena: a shard rebound without its values",
+    "a recomputed input from the wrong block", "a dropped input still kept",
+    "adapters gathered behind the next block's copy",
 }
 SURVIVOR_KINDS = {  # what survived a mutation run before the independent anchors existed
     "EMA update rule", "trainer beta(iteration - 1)", "resume loses the EMA counter",
