@@ -100,6 +100,8 @@ RECIPE_CLIP = "107x768x1344"
 DEFAULT_CLIPS = f"17x320x192,81x480x832,{RECIPE_CLIP}"
 CARD_24GB_GIB = 22.06
 """A 24 GB card's usable memory (GiB): the cap of the 24 GB configurations."""
+SMOKE_BUDGET_GIB = 4.0
+"""The GPU budget ``--recompute-inputs auto`` plans for in a CPU smoke run without ``--cap-gib`` (GiB)."""
 ALLOC_CONF = "expandable_segments:True"
 """``PYTORCH_CUDA_ALLOC_CONF`` of every configuration unless the environment sets one (as the launchers do): under a
 22.06 GiB cap the default allocator left 1.9 GiB reserved but unusable for a 1.48 GiB block (H200, 2026-12-04).
@@ -170,6 +172,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     import torch
 
     from miles_ext.levers import fast_init, input_recompute
+    from miles_ext.levers.fsdp_policy import prefetched_adapter_units
     from miles_ext.levers.h2d_prefetch import attached
     from miles_ext.levers.lora import lora_parameters
     from miles_ext.levers.pinned import locked_bytes, pinned_report
@@ -234,7 +237,8 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     model, resident = built.model, built.resident
     recompute, rplan = input_recompute.resolve_count(
         model, a.recompute_inputs, source="--recompute-inputs", full_offload=mode == "offload",
-        budget_bytes=gpu_budget_bytes(device) if cuda else int(1 * GiB), tokens=tokens, act_bytes=2 if cuda else 4,
+        budget_bytes=gpu_budget_bytes(device) if cuda else int((a.cap_gib or SMOKE_BUDGET_GIB) * GiB), tokens=tokens,
+        act_bytes=2 if cuda else 4,
         prefetch=mode == "offload" and a.prefetch_h2d, say=lambda line: print(line, flush=True))
     lever = input_recompute.enable(model, recompute)
     if cuda and not offload:
@@ -281,7 +285,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "h2d": "prefetch" if attached(model) else "sync",
             "h2d_prefetch": getattr(model, "_onecard_h2d_prefetch", None),
             "h2d_staged": sum(p.staged for p in attached(model)), "h2d_dropped": sum(p.dropped for p in attached(model)),
-            "adapters_prefetched": not a.late_adapters,
+            "adapters_prefetched": prefetched_adapter_units(model),
             "cap_gib": cap_gib, "h2d_gb_s": gb_s, "h2d_bytes_per_step": h2d_bytes, "pcie_floor_s": floor_s,
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0,
@@ -360,7 +364,7 @@ def table(results: list[dict]) -> str:
         h2d = "" if "h2d_bytes_per_step" not in r else f"{r['h2d_bytes_per_step'] / 1e9:.1f}"
         floor = ("" if r.get("pcie_floor_s") is None else f"{r['pcie_floor_s']:.2f} ({r['h2d_gb_s']:.1f})")
         mode = r["mode"] + {"prefetch": " (H2D prefetch)", "sync": ""}.get(r.get("h2d"), "")
-        if r.get("h2d") == "prefetch" and r.get("adapters_prefetched") is False:
+        if r.get("h2d") == "prefetch" and r.get("adapters_prefetched") in (0, False):  # False: rows of 2026-12-04
             mode += " (adapters late)"
         blocks = "none" if r["mode"] == "offload" else r["resident_blocks"]
         predicted = "" if r.get("predicted_peak_gib") is None else f" ({r['predicted_peak_gib']:.1f})"
@@ -409,12 +413,14 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
         cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes {m} --clips {c} {opts}{extra} "
                     f"--timeout-s {CHILD_TIMEOUT_S} --out {shlex.quote(f'{out}/{tag}')}")
     if not a.cap_gib and "offload" in modes:  # the 24 GB card: full offload at the recipe's clip under its cap,
-        for r, tag in (("", ""), (" --recompute-inputs auto", "_recomputeauto")):  # plain, then with the lever
-            if r and recompute not in ("0", "none", ""):
+        given = f"_recompute{recompute}" if recompute not in ("0", "none", "") else ""
+        ptag = ("_prefetch_late" if a.late_adapters else "_prefetch") if pre else ""
+        for r, tag in (("", given), (" --recompute-inputs auto", "_recomputeauto")):  # plain, then with the lever
+            if r and given:
                 continue  # --recompute-inputs already in opts
             cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes offload --clips {RECIPE_CLIP} "
                         f"{opts}{r} --cap-gib {CARD_24GB_GIB:g}{pre} --timeout-s {CHILD_TIMEOUT_S} "
-                        f"--out {shlex.quote(f'{out}/{RECIPE_CLIP}_offload_cap{CARD_24GB_GIB:g}{tag}')}")
+                        f"--out {shlex.quote(f'{out}/{RECIPE_CLIP}_offload_cap{CARD_24GB_GIB:g}{tag}{ptag}')}")
     cmds.append(f"python benchmarks/h3_1gpu.py --merge {shlex.quote(str(out))}")
     return cmds
 
@@ -558,10 +564,25 @@ def _check_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     if recompute == "auto" and modes != ["offload"]:
         raise UserError("--recompute-inputs auto plans full offload's GPU peak: use --modes offload with it, or give a "
                         "number")
-    if isinstance(recompute, int) and recompute > 25:
-        raise UserError(f"--recompute-inputs {recompute}: at most every second of the 50 transformer blocks (25)")
-    if not (a.resident_blocks.strip().lower() == "auto" or is_whole_number(a.resident_blocks.strip())):
-        raise UserError(f"--resident-blocks {a.resident_blocks!r}: use auto or a whole number of blocks (0 = stream all)")
+    blocks = 2 if a.smoke else 50  # the transformer blocks of the preset that runs (tiny under --smoke, else full)
+    if isinstance(recompute, int) and recompute > blocks // 2:
+        raise UserError(f"--recompute-inputs {recompute}: at most every second of the {'tiny' if a.smoke else 'full'} "
+                        f"preset's {blocks} transformer blocks ({blocks // 2})")
+    from patches.core.flags import MAX_GPU_GIB, parse_resident_blocks
+
+    for flag, v in (("--cap-gib", a.cap_gib), ("--gpu-budget-gib", a.gpu_budget_gib)):
+        if v is not None and v > MAX_GPU_GIB:
+            raise UserError(f"{flag} {v:g}: at most {MAX_GPU_GIB:g} GiB (ONECARD_GPU_MEMORY_GIB's limit)")
+    if a.gpu_budget_gib is not None and "partial" not in modes:
+        raise UserError(f"--gpu-budget-gib {a.gpu_budget_gib:g} is the budget partial residency's auto fills: add partial "
+                        "to --modes, or cap the card with --cap-gib instead")
+    try:
+        resident = parse_resident_blocks(a.resident_blocks, "--resident-blocks")
+    except UserError:
+        resident = None
+    if resident is None:
+        shown = a.resident_blocks if len(a.resident_blocks) <= 40 else a.resident_blocks[:40] + "..."
+        raise UserError(f"--resident-blocks {shown!r}: use auto or a whole number of blocks (0 = stream all)")
     return modes, clips
 
 

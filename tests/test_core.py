@@ -431,6 +431,11 @@ def test_resident_blocks_parser_accepts_ints_and_ascii_digits_only():
     for bad in (True, False, "\u0663", "\u00b3", "-1", -1):
         with pytest.raises(FlagError, match="fsdp-resident-blocks"):
             parse_resident_blocks(bad, src)
+    # a count past 9 digits is one error line (int() of a 5,000-digit string would raise a ValueError instead)
+    assert parse_resident_blocks("000999999999", src) == 999999999
+    for bad in ("1234567890", "9" * 5000):
+        with pytest.raises(FlagError, match=r"^--fsdp-resident-blocks '\d{1,40}(\.\.\.)?': use auto"):
+            parse_resident_blocks(bad, src)
 
 
 def test_env_numbers_refuse_infinity_and_a_budget_beside_a_count():

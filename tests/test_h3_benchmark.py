@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "h3_1gpu.py"
 
@@ -179,3 +181,80 @@ def test_print_commands_with_a_cap_caps_every_run_and_adds_no_second_24gb_run():
     assert out.returncode == 0, out.stderr
     runs = [x for x in out.stdout.splitlines() if "--modes" in x]
     assert len(runs) == 3 * 2 and all("--cap-gib 22.06" in x for x in runs)
+
+
+def test_smoke_rows_say_whether_the_adapters_are_prefetched_with_their_block(tmp_path):
+    """``--prefetch-h2d``: the row counts the adapter units some block's forward prefetch gathers (read from the model),
+    none with ``--late-adapters``; ``--recompute-inputs auto`` plans the smoke run's budget and records its plan."""
+    rows = {}
+    for name, extra in (("now", []), ("late", ["--late-adapters"])):
+        out = _bench("--smoke", "--modes", "offload", "--lora-rank", "4", "--prefetch-h2d", "--recompute-inputs",
+                     "auto", *extra, "--out", str(tmp_path / name), timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        rows[name] = json.loads((tmp_path / name / "h3_1gpu.json").read_text())[0]
+    assert rows["now"]["adapters_prefetched"] > 0 and rows["late"]["adapters_prefetched"] == 0
+    for r in rows.values():
+        assert r["recompute_block_inputs"] == 0 and "input recompute auto: 0 block inputs" in r["input_recompute_plan"]
+        assert r["predicted_peak_gib"] > 0
+    assert {r["h2d"] for r in rows.values()} == {"sync"}  # on the CPU no side stream is attached: the wiring is all
+
+
+def test_table_marks_only_rows_whose_adapters_were_gathered_late():
+    bench = _module()
+    base = {"ok": True, "mode": "offload", "clip": "81x480x832", "cap_gib": None, "resident_blocks": 0, "s_per_step": 9.8,
+            "gpu_peak_gib": 10.0, "host_peak_init_gib": 65.8, "host_steady_gib": 69.0, "host_peak_gib": 69.0,
+            "pinned_requested_bytes": 10**10, "pinned_locked_bytes": 10**10, "init_s": 40, "init_meta_shard_s": 39,
+            "init_materialise_s": 1, "init_rest_s": 0, "optimizer_device": "cpu", "h2d": "prefetch"}
+    assert "(adapters late)" in bench.table([dict(base, adapters_prefetched=0)])
+    assert "(adapters late)" in bench.table([dict(base, adapters_prefetched=False)])  # the rows written on 2026-12-04
+    assert "(adapters late)" not in bench.table([dict(base, adapters_prefetched=50)])
+    assert "(adapters late)" not in bench.table([base])  # rows from before the count existed
+    assert "(adapters late)" not in bench.table([dict(base, h2d="sync", adapters_prefetched=0)])
+
+
+def test_oom_summary_reads_the_figures_in_gib():
+    bench = _module()
+    err = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of "
+           "139.80 GiB of which 117.38 GiB is free. 22.06 GiB allowed; Of the allocated memory 21.25 GiB is allocated "
+           "by PyTorch, and 236.65 MiB is reserved by PyTorch but unallocated.")
+    assert bench.oom_summary(err) == "out of memory: 21.25 GiB allocated, 0.50 GiB more asked, 22.06 GiB allowed"
+    assert bench.oom_summary("RuntimeError: something else") is None
+    assert bench.oom_summary("torch.OutOfMemoryError: CUDA out of memory.") == "out of memory"
+
+
+def test_the_allocator_setting_defaults_and_a_given_one_is_kept(monkeypatch):
+    bench = _module()
+    seen = {}
+
+    def timeout(cmd, **kw):
+        seen.update(kw["env"])
+        raise subprocess.TimeoutExpired(cmd, 1)
+
+    monkeypatch.setattr(bench.subprocess, "run", timeout)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    bench.child("offload", "9x16x16", ["--recompute-inputs=3"], 1.0)
+    assert seen["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    row = bench.child("offload", "9x16x16", ["--recompute-inputs=3"], 1.0)
+    assert seen["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+    assert row["recompute_block_inputs"] == "3"  # a failed row records the setting it ran with
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--print-commands", "--modes", "offload,resident", "--recompute-inputs", "auto"], "use --modes offload with it"),
+    (["--print-commands", "--modes", "offload", "--recompute-inputs", "26"], "(25)"),
+    (["--smoke", "--modes", "offload", "--recompute-inputs", "2"], "tiny preset's 2 transformer blocks (1)"),
+    (["--print-commands", "--modes", "offload", "--recompute-inputs", "9" * 5000], "--recompute-inputs '999"),
+    (["--print-commands", "--modes", "offload", "--recompute-inputs", "half"], "use auto, a whole number"),
+    (["--print-commands", "--modes", "offload", "--gpu-budget-gib", "10"], "add partial to --modes"),
+    (["--print-commands", "--cap-gib", "2000"], "at most 1024 GiB"),
+    (["--print-commands", "--resident-blocks", "9" * 5000], "--resident-blocks '999"),
+    (["--print-commands", "--resident-blocks", "none"], "use auto or a whole number of blocks"),
+    (["--print-commands", "--modes", "offload", "--late-adapters"], "add --prefetch-h2d"),
+], ids=["auto-not-only-offload", "more-than-25", "more-than-tiny", "huge", "word", "budget-without-partial",
+        "cap-over-1024", "resident-huge", "resident-none", "late-without-prefetch"])
+def test_bad_recompute_and_budget_arguments_are_one_error_line(tmp_path, args, needle):
+    out = _bench(*args, "--out", str(tmp_path / "out"))
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.stderr
+    assert not (tmp_path / "out").exists()

@@ -16,7 +16,8 @@ def test_recomputed_input_trains_the_plain_lora_bitwise(small, tmp_path, capsys)
     runs = {"plain": ["--fsdp-cpu-offload"],
             "one": ["--fsdp-cpu-offload", "--recompute-block-inputs", "1"],
             "auto": ["--fsdp-cpu-offload", "--recompute-block-inputs", "auto", "--gpu-budget-gib", "64"],
-            "prefetch": ["--fsdp-cpu-offload", "--fsdp-prefetch-h2d", "--recompute-block-inputs", "1"]}
+            "prefetch": ["--fsdp-cpu-offload", "--fsdp-prefetch-h2d", "--recompute-block-inputs", "1"],
+            "partial": ["--fsdp-cpu-offload", "--fsdp-resident-blocks", "1", "--recompute-block-inputs", "1"]}
     outs = {}
     for name, extra in runs.items():
         rc, out, err = train(small, tmp_path / name, *extra, capsys=capsys)
@@ -25,10 +26,13 @@ def test_recomputed_input_trains_the_plain_lora_bitwise(small, tmp_path, capsys)
     assert "1 block inputs recomputed" in outs["one"] and "block inputs recomputed" not in outs["plain"]
     assert "input recompute auto: 0 block inputs recomputed; predicted peak" in outs["auto"]
     s = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in runs}
-    assert [s[n]["recompute_block_inputs"] for n in runs] == [0, 1, 0, 1]
+    assert [s[n]["recompute_block_inputs"] for n in runs] == [0, 1, 0, 1, 1]
+    # the side-stream prefetch was asked for (its report exists; on the CPU it attaches nothing) under full offload
+    # with --fsdp-prefetch-h2d and by default with partial residency, not under plain full offload
+    assert [s[n]["h2d_prefetch"] is not None for n in runs] == [False, False, False, True, True]
     assert s["auto"]["input_recompute_plan_bytes"]["block inputs"] > 0 and s["one"]["input_recompute_plan_bytes"] is None
     a = lora_of(tmp_path / "plain")
-    for other in ("one", "prefetch"):  # on the CPU the prefetch wiring runs (no side stream): the same values
+    for other in ("one", "prefetch", "partial"):  # on the CPU the prefetch wiring runs (no side stream): the same values
         b = lora_of(tmp_path / other)
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), other
 
@@ -44,6 +48,11 @@ def test_recomputed_input_trains_the_plain_lora_bitwise(small, tmp_path, capsys)
     (["--fsdp-cpu-offload", "--recompute-block-inputs", "1", "--gpu-budget-gib", "8"],
      "--gpu-budget-gib 8.0 is the budget"),
     (["--fsdp-prefetch-h2d"], "without --fsdp-cpu-offload nothing is offloaded"),
+    (["--recompute-block-inputs", "9" * 5000], "--recompute-block-inputs '9999"),
+    (["--fsdp-cpu-offload", "--recompute-block-inputs", "auto", "--gpu-budget-gib", "1.6"],
+     "a 1.60 GiB GPU budget does not hold 1 token under full offload"),
+    (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "auto", "--recompute-block-inputs", "auto"],
+     "(RESIDENT_BLOCKS=none in the launcher)"),
     (["--fsdp-cpu-offload", "--fsdp-resident-blocks", "1", "--fsdp-prefetch-h2d", "--fsdp-sync-h2d"],
      "ask for opposite things"),
 ])
@@ -53,3 +62,4 @@ def test_bad_settings_are_one_error_line_before_any_work(small, tmp_path, capsys
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert lines and lines[-1].startswith("error:") and message in lines[-1], err
     assert not (tmp_path / "bad" / "checkpoints").exists()
+    assert "clips from" not in out  # refused in the preflight: no clip read or encoded

@@ -51,6 +51,7 @@ __all__ = [
     "set_master_dtype",
     "apply_fsdp2",
     "clip_offloaded_grad_norm",
+    "prefetched_adapter_units",
 ]
 
 MASTER_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -261,6 +262,20 @@ def apply_fsdp2(
 
         model._onecard_h2d_prefetch = attach(model)
     return model
+
+
+def prefetched_adapter_units(model: nn.Module) -> int:
+    """How many LoRA adapter units some block's explicit forward prefetch gathers (``apply_fsdp2``'s
+    ``prefetch_adapters``): a report for benchmarks; 0 without the explicit prefetch."""
+    adapters = {id(a[0]._get_fsdp_state()) for m in model.modules() if (a := _adapter_linears(m))
+                and hasattr(a[0], "_get_fsdp_state") and m is not model}
+    seen = set()
+    for m in model.modules():
+        state = m._get_fsdp_state() if hasattr(m, "_get_fsdp_state") else None
+        for target in getattr(state, "_states_to_forward_prefetch", None) or ():
+            if id(target) in adapters:
+                seen.add(id(target))
+    return len(seen)
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ that runs the wrong block, and a pack hook that keeps the input).
 from __future__ import annotations
 
 import dataclasses
+import math
 import weakref
 from typing import Any, Iterable, Sequence
 
@@ -96,9 +97,10 @@ def _never_unpacked(x: Any) -> torch.Tensor:  # pragma: no cover - a graph nobod
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` is ``b`` or an alias of all of it (the saved-tensor hook may see a fresh handle of the same tensor)."""
-    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-                      and a.dtype == b.dtype and a.device == b.device)
+    """``a`` is the block input ``b``: torch hands a custom Function's saved input to the pack hook as the very tensor
+    (torch 2.11 and 2.13; were it another handle, the input would be kept as before, the proof's freed-input check
+    failing, the values unchanged)."""
+    return a is b
 
 
 class InputRecompute:
@@ -254,9 +256,11 @@ def plan_dropped(tokens: int, *, budget_bytes: int, num_blocks: int, num_transfo
                                    block_bytes=block_bytes, dropped=k, act_bytes=act_bytes, prefetch=prefetch)
         if sum(terms.values()) <= target:
             return DroppedPlan(k, terms, int(budget_bytes))
-    raise UserError(f"a {budget_bytes / GiB:.2f} GiB GPU budget does not hold {tokens} tokens under full offload even "
-                    f"with {most} block inputs recomputed (about {sum(terms.values()) / GiB + FRAGMENTATION_GIB:.1f} "
-                    "GiB needed): use shorter clips or a larger card")
+    need = math.ceil((sum(terms.values()) / GiB + FRAGMENTATION_GIB) * 100) / 100  # rounded up: never "x of x"
+    raise UserError(f"a {budget_bytes / GiB:.2f} GiB GPU budget does not hold {tokens} token{'s' * (tokens != 1)} under "
+                    f"full offload even with {most} block inputs recomputed ({need:.2f} GiB needed, "
+                    f"{FRAGMENTATION_GIB:g} of it allocator room): raise the budget (--gpu-budget-gib, "
+                    "ONECARD_GPU_MEMORY_GIB), use shorter clips or a larger card")
 
 
 def parse_setting(value: "str | int | None", source: str) -> "str | int":
@@ -275,10 +279,10 @@ def parse_setting(value: "str | int | None", source: str) -> "str | int":
         return 0
     if text == "auto":
         return "auto"
-    if is_whole_number(text):
+    if is_whole_number(text) and len(text.lstrip("0")) <= 9:  # int() of a 5,000-digit string raises, unreadably
         return int(text)
-    raise UserError(f"{source} {value!r}: use auto, a whole number of block inputs to recompute (0 keeps every "
-                    "input), or none")
+    raise UserError(f"{source} {value if len(str(value)) <= 40 else str(value)[:40] + '...'!r}: use auto, a whole "
+                    "number of block inputs to recompute (0 keeps every input; at most every second block), or none")
 
 
 def resolve_count(model: nn.Module, value: "str | int | None", *, source: str, full_offload: bool,

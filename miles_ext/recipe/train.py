@@ -142,7 +142,8 @@ class H3SFTConfig:
     instead (miles_ext.levers.input_recompute: every second block at most, each costing one more forward of the block
     before it; gradients bitwise unchanged). auto (with --fsdp-cpu-offload and no --fsdp-resident-blocks): the fewest
     that fit full offload's peak in --gpu-budget-gib less 1 GiB (printed with its terms); none or unset: 0."""
-    gpu_budget_gib: Optional[float] = dataclasses.field(default=None, metadata=meaning(gt=0, why="GiB of GPU memory"))
+    gpu_budget_gib: Optional[float] = dataclasses.field(default=None, metadata=meaning(
+        gt=0, le=1024, why="GiB of GPU memory (at most 1024, ONECARD_GPU_MEMORY_GIB's limit)"))
     """GPU memory in GiB that --fsdp-resident-blocks auto and --recompute-block-inputs auto fill; default:
     $ONECARD_GPU_MEMORY_GIB, else the card's total memory."""
     deterministic_mode: bool = False
@@ -274,6 +275,7 @@ class H3SFTRecipe(Recipe):
         self._check_dataset()
         self._check_lora_targets()  # last: it imports diffusers' H3 model and PEFT (seconds)
         self._check_resident_count()
+        self._check_recompute_budget()
         self._check_base_checkpoint()
 
     def _check_base_checkpoint(self) -> None:
@@ -324,7 +326,8 @@ class H3SFTRecipe(Recipe):
         self.recompute_value = parse_setting(cfg.recompute_block_inputs, "--recompute-block-inputs")
         if self.recompute_value == "auto" and not (cfg.fsdp_cpu_offload and self.resident_value is None):
             raise UserError("--recompute-block-inputs auto plans the GPU peak of full offload (every block streamed): "
-                            "add --fsdp-cpu-offload without --fsdp-resident-blocks, or give a number")
+                            "add --fsdp-cpu-offload without --fsdp-resident-blocks (RESIDENT_BLOCKS=none in the "
+                            "launcher), or give a number")
         if isinstance(self.recompute_value, int) and self.recompute_value > self.preset.num_layers // 2:
             raise UserError(f"--recompute-block-inputs {self.recompute_value}: at most every second of the "
                             f"{self.preset.name} preset's {self.preset.num_layers} transformer blocks can have its "
@@ -333,7 +336,8 @@ class H3SFTRecipe(Recipe):
         if budget is not None:
             if self.resident_value != "auto" and self.recompute_value != "auto":
                 raise UserError(f"--gpu-budget-gib {budget} is the budget --fsdp-resident-blocks auto and "
-                                "--recompute-block-inputs auto fill: add one of them, or drop --gpu-budget-gib")
+                                "--recompute-block-inputs auto fill: add --fsdp-resident-blocks auto or "
+                                "--recompute-block-inputs auto, or drop --gpu-budget-gib")
             if self.device.type == "cuda":
                 card = gpu_budget_bytes(self.device)
                 if budget * GiB > card:
@@ -363,6 +367,27 @@ class H3SFTRecipe(Recipe):
             parts = ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds))
             raise UserError(f"--fsdp-resident-blocks {self.resident_value}: the {self.preset.name} preset has "
                             f"{len(kinds)} FSDP blocks ({parts}): use at most {len(kinds)}, or auto")
+
+    def _check_recompute_budget(self) -> None:
+        """``--recompute-block-inputs auto``: the budget against what full offload holds at the fewest tokens a pair can
+        have (one), on a meta-device model in the stored dtypes, so that a budget no clip fits is refused before any
+        clip is encoded; the plan for the longest pair is made after the encode.
+
+        Raises:
+            UserError: the budget does not hold even that (from :func:`miles_ext.levers.input_recompute.plan_dropped`).
+        """
+        if getattr(self, "recompute_value", 0) != "auto":
+            return
+        from miles_ext.levers import input_recompute
+        from miles_ext.levers.fsdp_policy import set_master_dtype
+        from miles_ext.recipe.presets import build_transformer
+
+        gib = self.cfg.gpu_budget_gib
+        budget = int(gib * GiB) if gib is not None else gpu_budget_bytes(self.device)
+        model = set_master_dtype(build_transformer(self.preset, device="meta"), self.cfg.fsdp_master_dtype)
+        input_recompute.resolve_count(model, "auto", source="--recompute-block-inputs", full_offload=True,
+                                      budget_bytes=budget, tokens=1, prefetch=self.cfg.fsdp_prefetch_h2d,
+                                      say=lambda line: None)
 
     def _check_lora_targets(self) -> None:
         """``--lora-target-modules`` against the preset's linear layers, on a meta-device model (nothing allocated)."""

@@ -231,10 +231,10 @@ def parse_resident_blocks(value: "str | int | None", source: str) -> "str | int 
         return None
     if text == "auto":
         return "auto"
-    if is_whole_number(text):
+    if is_whole_number(text) and len(text.lstrip("0")) <= 9:  # int() of a 5,000-digit string raises, unreadably
         return int(text)
-    raise FlagError(f"{given}: use auto, a whole number of blocks (0 streams every block), or none (plain CPU "
-                    "offload)")
+    raise FlagError(f"{setting(source, repr(value if len(str(value)) <= 40 else str(value)[:40] + '...'))}: use auto, "
+                    "a whole number of blocks (0 streams every block), or none (plain CPU offload)")
 
 
 @dataclasses.dataclass(frozen=True)

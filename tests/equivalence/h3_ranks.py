@@ -18,7 +18,7 @@ import torch
 from tests.equivalence.h3_tiny_run import PRELOAD
 from patches.core.runtime import free_port
 
-__all__ = ["gloo_rank", "cpu_mesh", "launch", "launch_cuda"]
+__all__ = ["gloo_rank", "cpu_mesh", "launch", "launch_cuda", "cuda_results"]
 
 
 @contextlib.contextmanager
@@ -92,3 +92,11 @@ def launch_cuda(worker: Callable[..., Any], out_dir: str) -> None:
     p.start()
     p.join()
     assert p.exitcode == 0, f"the CUDA worker exited with {p.exitcode}"
+
+
+def cuda_results(tmp_path_factory, worker: Callable[..., Any], name: str) -> Any:
+    """Run ``worker(0, 1, out_dir)`` through :func:`launch_cuda` in a fresh ``name`` folder and load what it saved
+    there as ``cuda.pt`` (the CUDA proofs' module fixtures)."""
+    out = tmp_path_factory.mktemp(name)
+    launch_cuda(worker, str(out))
+    return torch.load(out / "cuda.pt")

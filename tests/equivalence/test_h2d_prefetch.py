@@ -118,11 +118,9 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def cuda_results(tmp_path_factory):
-    from tests.equivalence.h3_ranks import launch_cuda
+    from tests.equivalence.h3_ranks import cuda_results as run
 
-    out = tmp_path_factory.mktemp("h2d")
-    launch_cuda(_cuda_worker, str(out))
-    return torch.load(out / "cuda.pt")
+    return run(tmp_path_factory, _cuda_worker, "h2d")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")

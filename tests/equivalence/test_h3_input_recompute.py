@@ -209,6 +209,79 @@ def test_a_bad_dropped_set_is_refused():
     assert InputRecompute(blocks, [1, 3]).dropped == {1, 3}
 
 
+def test_a_block_called_with_another_input_keeps_its_input():
+    """The recipe is used only when a dropped block's input IS the output of the block before: called with any other
+    tensor, the block's input is kept and its gradients are the plain checkpoint's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from miles_ext.levers.input_recompute import InputRecompute
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    x, y = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+
+    def grads(fn):
+        for p in (*a.parameters(), *b.parameters(), x, y):
+            p.grad = None
+        out_a = fn(a, x)
+        out_b = fn(b, y * 1.0)  # not out_a
+        (out_a.sum() + (out_b ** 2).sum()).backward()
+        return [p.grad.clone() for p in (*a.parameters(), *b.parameters(), x, y)]
+
+    lever = InputRecompute([a, b], [1])
+    got = grads(lever)
+    ref = grads(lambda blk, *args: checkpoint(blk.__call__, *args, use_reentrant=False))
+    assert lever.dropped_calls == 0 and lever.recomputed == 0
+    assert all(torch.equal(g, r) for g, r in zip(got, ref))
+
+
+def test_enable_zero_leaves_diffusers_checkpoint_in_place():
+    from miles_ext.levers import input_recompute as ir
+    from tests.equivalence.h3_tiny_run import make_lora_model
+
+    model = make_lora_model(_preset())
+    model.enable_gradient_checkpointing()
+    before = model._gradient_checkpointing_func
+    assert ir.enable(model, 0) is None
+    assert model._gradient_checkpointing_func is before and not hasattr(model, "_onecard_input_recompute")
+    fn = ir.enable(model, 2)
+    assert isinstance(fn, ir.InputRecompute) and model._onecard_input_recompute is fn
+    assert model._gradient_checkpointing_func is fn and sorted(fn.dropped) == [1, 3]
+
+
+def test_parse_setting_by_hand():
+    from miles_ext.levers.input_recompute import parse_setting
+    from patches.core.errors import UserError
+
+    for given, want in ((None, 0), ("", 0), ("  ", 0), (" None ", 0), ("none", 0), ("AUTO", "auto"), (" auto ", "auto"),
+                        ("0", 0), (" 3 ", 3), ("007", 7), (25, 25), ("999999999", 999999999)):
+        assert parse_setting(given, "--x") == want, given
+    for bad in ("-1", "1.5", "nan", "inf", "half", "0x1", "1e3", "1234567890", "9" * 5000):
+        with pytest.raises(UserError, match=r"^--x '.{0,43}': use auto, a whole number"):
+            parse_setting(bad, "--x")
+
+
+def test_resolve_count_checks_on_its_own():
+    """The count and ``auto``'s conditions are checked where the count is resolved too (callers other than the
+    trainer's preflight: the benchmark)."""
+    from miles_ext.levers.input_recompute import resolve_count
+    from miles_ext.recipe.presets import build_transformer
+    from patches.core.errors import UserError
+
+    model = build_transformer(_preset(), device="meta")  # 5 transformer blocks: at most 2
+    kw = dict(source="--x", budget_bytes=8 << 30, tokens=10)
+    assert resolve_count(model, "2", full_offload=False, **kw) == (2, None)
+    with pytest.raises(UserError, match="at most every second of the 5 transformer blocks .* use 0 to 2"):
+        resolve_count(model, 3, full_offload=True, **kw)
+    with pytest.raises(UserError, match="plans the GPU peak of full offload"):
+        resolve_count(model, "auto", full_offload=False, **kw)
+    with pytest.raises(UserError, match="no GPU was found"):
+        resolve_count(model, "auto", full_offload=True, source="--x", budget_bytes=None, tokens=10)
+    said = []
+    k, plan = resolve_count(model, "auto", full_offload=True, say=said.append, **kw)
+    assert k == plan.dropped == 0 and said and said[0].endswith("at 10 tokens")
+
+
 # ------------------------------------------------------------------------------------------------- memory model
 FULL_OFFLOAD_ROWS = [  # (tokens, inputs recomputed, side-stream prefetch, peak allocated GiB)
     (576, 0, False, 2.174), (8530, 0, False, 8.487), (27580, 0, False, 24.2),  # 2026-11-30 json, 2026-12-01 docs
@@ -261,6 +334,11 @@ def test_auto_picks_the_fewest_inputs_for_the_24gb_card():
     assert plan_dropped(576, budget_bytes=int(22.06 * 2**30), num_transformer_blocks=50, **kw).dropped == 0
     with pytest.raises(UserError, match="does not hold 27580 tokens"):
         plan_dropped(27580, budget_bytes=int(10 * 2**30), num_transformer_blocks=50, **kw)
+    # a budget that only every second input recomputed fits: 25 is tried and chosen, one byte less is refused
+    every = sum(full_offload_terms(27580, dropped=25, **kw).values()) + int(FRAGMENTATION_GIB * 2**30)
+    assert plan_dropped(27580, budget_bytes=every, num_transformer_blocks=50, **kw).dropped == 25
+    with pytest.raises(UserError, match=r"\(20\.\d\d GiB needed, 1 of it allocator room\)"):
+        plan_dropped(27580, budget_bytes=every - 1, num_transformer_blocks=50, **kw)
 
 
 # ------------------------------------------------------------------------------------------------- on the GPU
@@ -276,11 +354,9 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def cuda_results(tmp_path_factory):
-    from tests.equivalence.h3_ranks import launch_cuda
+    from tests.equivalence.h3_ranks import cuda_results as run
 
-    out = tmp_path_factory.mktemp("input_recompute_cuda")
-    launch_cuda(_cuda_worker, str(out))
-    return torch.load(out / "cuda.pt")
+    return run(tmp_path_factory, _cuda_worker, "input_recompute_cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
