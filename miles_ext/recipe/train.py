@@ -560,6 +560,9 @@ class H3SFTRecipe(Recipe):
 
         gib = self.cfg.gpu_budget_gib
         value = getattr(self, "recompute_value", 0)  # a caller that skipped the preflight: the lever is off
+        if not value:
+            self.recompute_count, self.recompute_plan = 0, None
+            return
         budget = int(gib * GiB) if gib is not None else (gpu_budget_bytes(self.device) if value == "auto" else None)
         self.recompute_count, self.recompute_plan = input_recompute.resolve_count(
             model, value, source="--recompute-block-inputs",
