@@ -115,15 +115,21 @@ def test_pcie_floor_counts_each_streamed_byte_twice_per_micro_batch():
     assert bench.pinned_h2d_gb_s(torch.device("cpu")) is None
 
 
-def test_a_failed_row_still_records_its_cap(monkeypatch):
+def _timing_out(monkeypatch):
+    """The benchmark module with every child run timing out at once; returns ``(module, env of the last child)``."""
     bench = _module()
-    seen = {}
+    seen: dict = {}
 
     def timeout(cmd, **kw):
         seen.update(kw["env"])
         raise subprocess.TimeoutExpired(cmd, 1)
 
     monkeypatch.setattr(bench.subprocess, "run", timeout)
+    return bench, seen
+
+
+def test_a_failed_row_still_records_its_cap(monkeypatch):
+    bench, seen = _timing_out(monkeypatch)
     monkeypatch.delenv("ONECARD_GPU_MEMORY_GIB", raising=False)
     row = bench.child("offload", "107x768x1344", [], 1.0, cap_gib=22.06)
     assert row["ok"] is False and row["cap_gib"] == 22.06 and seen["ONECARD_GPU_MEMORY_GIB"] == "22.06"
@@ -223,14 +229,7 @@ def test_oom_summary_reads_the_figures_in_gib():
 
 
 def test_the_allocator_setting_defaults_and_a_given_one_is_kept(monkeypatch):
-    bench = _module()
-    seen = {}
-
-    def timeout(cmd, **kw):
-        seen.update(kw["env"])
-        raise subprocess.TimeoutExpired(cmd, 1)
-
-    monkeypatch.setattr(bench.subprocess, "run", timeout)
+    bench, seen = _timing_out(monkeypatch)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     bench.child("offload", "9x16x16", ["--recompute-inputs=3"], 1.0)
     assert seen["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

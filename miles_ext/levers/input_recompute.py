@@ -97,10 +97,11 @@ def _never_unpacked(x: Any) -> torch.Tensor:  # pragma: no cover - a graph nobod
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` is the block input ``b``: torch hands a custom Function's saved input to the pack hook as the very tensor
-    (torch 2.11 and 2.13; were it another handle, the input would be kept as before, the proof's freed-input check
-    failing, the values unchanged)."""
-    return a is b
+    """``a`` is the block input ``b``, or a handle of all of it: torch 2.13 hands a custom Function's saved input to
+    the pack hook as the very tensor (the CPU proof); the alias test, which the H200 run (torch 2.11) used, keeps the
+    lever working should a version hand over another handle. A miss keeps the input (memory, never values)."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype and a.device == b.device)
 
 
 class InputRecompute:
@@ -270,7 +271,7 @@ def parse_setting(value: "str | int | None", source: str) -> "str | int":
     Raises:
         UserError: anything else, one line naming ``source`` and the accepted values.
     """
-    from patches.core.flags import is_whole_number
+    from patches.core.flags import read_count, shown
 
     if value is None:
         return 0
@@ -279,10 +280,11 @@ def parse_setting(value: "str | int | None", source: str) -> "str | int":
         return 0
     if text == "auto":
         return "auto"
-    if is_whole_number(text) and len(text.lstrip("0")) <= 9:  # int() of a 5,000-digit string raises, unreadably
-        return int(text)
-    raise UserError(f"{source} {value if len(str(value)) <= 40 else str(value)[:40] + '...'!r}: use auto, a whole "
-                    "number of block inputs to recompute (0 keeps every input; at most every second block), or none")
+    count = read_count(text)
+    if count is not None:
+        return count
+    raise UserError(f"{source} {shown(value)}: use auto, a whole number of block inputs to recompute (0 keeps every "
+                    "input; at most every second block), or none")
 
 
 def resolve_count(model: nn.Module, value: "str | int | None", *, source: str, full_offload: bool,

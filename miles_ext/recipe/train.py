@@ -368,6 +368,12 @@ class H3SFTRecipe(Recipe):
             raise UserError(f"--fsdp-resident-blocks {self.resident_value}: the {self.preset.name} preset has "
                             f"{len(kinds)} FSDP blocks ({parts}): use at most {len(kinds)}, or auto")
 
+    def _recompute_budget(self) -> int:
+        """The GPU bytes ``--recompute-block-inputs auto`` plans for: ``--gpu-budget-gib``, else the card as
+        :func:`patches.core.device.gpu_budget_bytes` sees it (``ONECARD_GPU_MEMORY_GIB``; 0 without a GPU)."""
+        gib = self.cfg.gpu_budget_gib
+        return int(gib * GiB) if gib is not None else gpu_budget_bytes(self.device)
+
     def _check_recompute_budget(self) -> None:
         """``--recompute-block-inputs auto``: the budget against what full offload holds at the fewest tokens a pair can
         have (one), on a meta-device model in the stored dtypes, so that a budget no clip fits is refused before any
@@ -382,8 +388,7 @@ class H3SFTRecipe(Recipe):
         from miles_ext.levers.fsdp_policy import set_master_dtype
         from miles_ext.recipe.presets import build_transformer
 
-        gib = self.cfg.gpu_budget_gib
-        budget = int(gib * GiB) if gib is not None else gpu_budget_bytes(self.device)
+        budget = self._recompute_budget()
         model = set_master_dtype(build_transformer(self.preset, device="meta"), self.cfg.fsdp_master_dtype)
         input_recompute.resolve_count(model, "auto", source="--recompute-block-inputs", full_offload=True,
                                       budget_bytes=budget, tokens=1, prefetch=self.cfg.fsdp_prefetch_h2d,
@@ -558,12 +563,11 @@ class H3SFTRecipe(Recipe):
         :attr:`recompute_count` and :attr:`recompute_plan`."""
         from miles_ext.levers import input_recompute
 
-        gib = self.cfg.gpu_budget_gib
         value = getattr(self, "recompute_value", 0)  # a caller that skipped the preflight: the lever is off
         if not value:
             self.recompute_count, self.recompute_plan = 0, None
             return
-        budget = int(gib * GiB) if gib is not None else (gpu_budget_bytes(self.device) if value == "auto" else None)
+        budget = self._recompute_budget() if value == "auto" else None
         self.recompute_count, self.recompute_plan = input_recompute.resolve_count(
             model, value, source="--recompute-block-inputs",
             full_offload=self.cfg.fsdp_cpu_offload and getattr(self, "resident_value", None) is None,

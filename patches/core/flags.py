@@ -159,6 +159,24 @@ def is_whole_number(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+MAX_COUNT_DIGITS = 9
+"""Digits a count setting may have (leading zeros aside): ``int()`` of a 5,000-digit string raises a ``ValueError``
+instead of the one ``error:`` line, and no block count is that large."""
+
+
+def read_count(text: str) -> int | None:
+    """``text`` as a whole number >= 0 (ASCII digits, at most :data:`MAX_COUNT_DIGITS` significant), else ``None``:
+    the count reader of every auto/number/none setting (:func:`parse_resident_blocks`,
+    ``miles_ext.levers.input_recompute.parse_setting``)."""
+    return int(text) if is_whole_number(text) and len(text.lstrip("0")) <= MAX_COUNT_DIGITS else None
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters plus ``...`` (a bad value quoted in a one-line message)."""
+    text = str(value)
+    return repr(text[:limit] + "..." if len(text) > limit else value)
+
+
 MAX_GPU_GIB = 1024.0
 """The largest GPU budget in GiB any planner takes for one card (no card holds a TiB; an H200 has 141 GB): a larger
 one is a typo, and ``gib * 2**30`` of an absurd one overflows."""
@@ -231,10 +249,11 @@ def parse_resident_blocks(value: "str | int | None", source: str) -> "str | int 
         return None
     if text == "auto":
         return "auto"
-    if is_whole_number(text) and len(text.lstrip("0")) <= 9:  # int() of a 5,000-digit string raises, unreadably
-        return int(text)
-    raise FlagError(f"{setting(source, repr(value if len(str(value)) <= 40 else str(value)[:40] + '...'))}: use auto, "
-                    "a whole number of blocks (0 streams every block), or none (plain CPU offload)")
+    count = read_count(text)
+    if count is not None:
+        return count
+    raise FlagError(f"{setting(source, shown(value))}: use auto, a whole number of blocks (0 streams every block), or "
+                    "none (plain CPU offload)")
 
 
 @dataclasses.dataclass(frozen=True)
