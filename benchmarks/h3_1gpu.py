@@ -136,11 +136,13 @@ def pinned_h2d_gb_s(device, nbytes: int = H2D_PROBE_BYTES, repeats: int = 3) -> 
     return nbytes / best / 1e9
 
 
-def pcie_floor(streamed_bytes: int, micro_batches: int, gb_s: float | None) -> tuple[int, float | None]:
+def pcie_floor(streamed_bytes: int, micro_batches: int, gb_s: float | None,
+               lockstep: int = 1) -> tuple[int, float | None]:
     """(bytes copied host-to-device per optimizer step, the copy's lower bound in s at ``gb_s``): every streamed
-    unit's bytes (``streamed_bytes``, the offloaded shards) :data:`UNSHARDS_PER_MICRO_BATCH` times per micro-batch.
-    The bound is ``None`` without a measured bandwidth."""
-    per_step = streamed_bytes * UNSHARDS_PER_MICRO_BATCH * micro_batches
+    unit's bytes (``streamed_bytes``, the offloaded shards) :data:`UNSHARDS_PER_MICRO_BATCH` times per micro-batch, or
+    per group of ``lockstep`` micro-batches (:mod:`miles_ext.levers.lockstep`: ``ceil(micro_batches / lockstep)``
+    groups). The bound is ``None`` without a measured bandwidth."""
+    per_step = streamed_bytes * UNSHARDS_PER_MICRO_BATCH * -(-micro_batches // max(1, lockstep))
     return per_step, (per_step / (gb_s * 1e9) if gb_s else None)
 
 
@@ -241,6 +243,9 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
         act_bytes=2 if cuda else 4,
         prefetch=mode == "offload" and a.prefetch_h2d, say=lambda line: print(line, flush=True))
     lever = input_recompute.enable(model, recompute)
+    from miles_ext.levers.lockstep import Lockstep
+
+    lock = Lockstep(model, a.lockstep) if a.lockstep > 1 else None
     if cuda and not offload:
         model.to(device)
     lora = lora_parameters(model)
@@ -248,6 +253,21 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     init_s = time.perf_counter() - t0
     status = proc_status_kib(("VmHWM", "VmRSS"))
     host_peak_init, host_after_init = status["VmHWM"] * 1024 / GiB, status["VmRSS"] * 1024 / GiB
+    opt_times: list[float] = []
+    real_step = opt.step
+
+    def timed_step(*args, **kwargs):
+        """The optimizer step alone, device work included (``optimizer_step_s``)."""
+        if cuda:
+            torch.cuda.synchronize(device)
+        ts = time.perf_counter()
+        out = real_step(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(device)
+        opt_times.append(time.perf_counter() - ts)
+        return out
+
+    opt.step = timed_step
     pairs = [pair] * (a.micro_batches * (a.steps + 1))
     sched = pair_schedule(a.micro_batches, a.micro_batches, a.steps + 1, 1)
     if cuda:
@@ -255,7 +275,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     times = []
     for i, slots in enumerate(sched):
         ts = time.perf_counter()
-        train_step(model, opt, slots, pairs, seed=0, max_grad_norm=1.0, device=device)
+        train_step(model, opt, slots, pairs, seed=0, max_grad_norm=1.0, device=device, lockstep=lock)
         if cuda:
             torch.cuda.synchronize(device)
         if i > 0:
@@ -264,7 +284,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     locked = locked_bytes()
     status = proc_status_kib(("VmHWM", "VmRSS"))
     gb_s = pinned_h2d_gb_s(device)  # after the host figures are read: its pinned buffer is in none of them
-    h2d_bytes, floor_s = pcie_floor(rep.requested_bytes if rep else 0, a.micro_batches, gb_s)
+    h2d_bytes, floor_s = pcie_floor(rep.requested_bytes if rep else 0, a.micro_batches, gb_s, a.lockstep)
     opt_dev = next(iter(opt.state.values()))["exp_avg"].device.type if opt.state else "none"
     torch.distributed.destroy_process_group()
     build_s = built.build_s + built.materialise_s
@@ -290,6 +310,8 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0,
             "recompute_block_inputs": recompute, "recomputed_forwards": lever.recomputed if lever else 0,
+            "lockstep": a.lockstep, "lockstep_deferred": lock.deferred if lock else 0,
+            "optimizer_step_s": median(opt_times[1:]) if len(opt_times) > 1 else None,
             "input_recompute_plan": rplan.line() if rplan else None,
             "predicted_peak_gib": rplan.total_bytes / GiB if rplan else None,
             "ok": True}
@@ -364,8 +386,11 @@ def table(results: list[dict]) -> str:
         h2d = "" if "h2d_bytes_per_step" not in r else f"{r['h2d_bytes_per_step'] / 1e9:.1f}"
         floor = ("" if r.get("pcie_floor_s") is None else f"{r['pcie_floor_s']:.2f} ({r['h2d_gb_s']:.1f})")
         mode = r["mode"] + {"prefetch": " (H2D prefetch)", "sync": ""}.get(r.get("h2d"), "")
-        if r.get("h2d") == "prefetch" and r.get("adapters_prefetched") in (0, False):  # False: rows of 2026-12-04
+        if (r["mode"] == "offload" and r.get("h2d") == "prefetch"  # partial keeps its adapters on the card
+                and r.get("adapters_prefetched") in (0, False)):  # False: rows of 2026-12-04
             mode += " (adapters late)"
+        if r.get("lockstep", 1) > 1:
+            mode += f" (lockstep {r['lockstep']})"
         blocks = "none" if r["mode"] == "offload" else r["resident_blocks"]
         predicted = "" if r.get("predicted_peak_gib") is None else f" ({r['predicted_peak_gib']:.1f})"
         rows.append(f"| {r['clip']} | {mode} | {cap(r)} | {blocks} | {r.get('recompute_block_inputs', 0)} | "
@@ -395,6 +420,8 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
     recompute = str(a.recompute_inputs).strip().lower()
     if recompute not in ("0", "none", ""):
         opts += f" --recompute-inputs {recompute}"
+    if a.lockstep > 1:
+        opts += f" --lockstep {a.lockstep}"
     sync = " --sync-h2d" if a.sync_h2d else ""
     pre = (" --prefetch-h2d" + (" --late-adapters" if a.late_adapters else "")) if a.prefetch_h2d else ""
     configs = [(m, c) for c in clips for m in modes]
@@ -403,7 +430,8 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
     cmds = ["# --probe-largest: the first 4 commands probe resident 480x832 clips; stop probing after the first that "
             "fails"] if probe else []
     for m, c in configs:
-        extra, tag = "", f"{c}_{m}" + (f"_recompute{recompute}" if recompute not in ("0", "none", "") else "")
+        extra, tag = "", f"{c}_{m}" + (f"_recompute{recompute}" if recompute not in ("0", "none", "") else "") + (
+            f"_lockstep{a.lockstep}" if a.lockstep > 1 else "")
         if m == "partial":
             extra = f" --resident-blocks {a.resident_blocks}" + (f" --gpu-budget-gib {a.gpu_budget_gib:g}"
                                                                  if a.gpu_budget_gib else "") + sync
@@ -412,7 +440,7 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
             extra, tag = pre, tag + ("_prefetch_late" if a.late_adapters else "_prefetch")
         cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes {m} --clips {c} {opts}{extra} "
                     f"--timeout-s {CHILD_TIMEOUT_S} --out {shlex.quote(f'{out}/{tag}')}")
-    if not a.cap_gib and "offload" in modes:  # the 24 GB card: full offload at the recipe's clip under its cap,
+    if not a.cap_gib and "offload" in modes and a.lockstep == 1:  # the 24 GB card: full offload at the recipe's clip under its cap,
         given = f"_recompute{recompute}" if recompute not in ("0", "none", "") else ""
         ptag = ("_prefetch_late" if a.late_adapters else "_prefetch") if pre else ""
         for r, tag in (("", given), (" --recompute-inputs auto", "_recomputeauto")):  # plain, then with the lever
@@ -499,6 +527,9 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--recompute-inputs", default="0",
                     help="block inputs recomputed instead of kept (miles_ext.levers.input_recompute): a number, or auto "
                          "(offload only: the fewest that fit the card, or --cap-gib, less 1 GiB)")
+    ap.add_argument("--lockstep", type=int, default=1,
+                    help="micro-batches forwarded block by block together, each streamed block copied once per group "
+                         "(miles_ext.levers.lockstep); 1: one micro-batch at a time")
     ap.add_argument("--steps", type=int, default=1, help="timed optimizer steps after one warm-up step")
     ap.add_argument("--micro-batches", type=int, default=2, help="accumulated micro-batches per optimizer step")
     ap.add_argument("--lora-rank", type=int, default=64)
@@ -540,6 +571,7 @@ def _check_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     at_least("--steps", a.steps, 1, "timed optimizer steps after the warm-up step")
     at_least("--micro-batches", a.micro_batches, 1, "micro-batches per optimizer step")
     at_least("--lora-rank", a.lora_rank, 1, "the LoRA rank")
+    at_least("--lockstep", a.lockstep, 1, "micro-batches per lockstep group (1: off)")
     positive("--timeout-s", a.timeout_s, "seconds per configuration")
     positive("--gpu-budget-gib", a.gpu_budget_gib, "GiB")
     positive("--cap-gib", a.cap_gib, "GiB")
@@ -564,6 +596,9 @@ def _check_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     if recompute == "auto" and modes != ["offload"]:
         raise UserError("--recompute-inputs auto plans full offload's GPU peak: use --modes offload with it, or give a "
                         "number")
+    if a.lockstep > 1 and recompute != 0:
+        raise UserError("--lockstep and --recompute-inputs do not combine (the recompute recipes follow one forward at "
+                        "a time): drop one of them")
     blocks = 2 if a.smoke else 50  # the transformer blocks of the preset that runs (tiny under --smoke, else full)
     if isinstance(recompute, int) and recompute > blocks // 2:
         raise UserError(f"--recompute-inputs {recompute}: at most every second of the {'tiny' if a.smoke else 'full'} "
@@ -614,7 +649,7 @@ def _main(argv: list[str] | None) -> int:
             raise UserError("the 33 B model needs a CUDA GPU; pass --smoke for the CPU smoke with the tiny preset")
         at_most_card("--cap-gib", a.cap_gib)
     passthrough = [f"--resident-blocks={a.resident_blocks}", f"--recompute-inputs={a.recompute_inputs}", f"--steps={a.steps}",
-                   f"--micro-batches={a.micro_batches}", f"--lora-rank={a.lora_rank}"]
+                   f"--micro-batches={a.micro_batches}", f"--lora-rank={a.lora_rank}", f"--lockstep={a.lockstep}"]
     if a.gpu_budget_gib:
         passthrough.append(f"--gpu-budget-gib={a.gpu_budget_gib}")
     if a.sync_h2d:

@@ -110,6 +110,11 @@ def test_pcie_floor_counts_each_streamed_byte_twice_per_micro_batch():
     assert bench.pcie_floor(10**9, 2, 50.0) == (4 * 10**9, 4 * 10**9 / 50e9)
     assert bench.pcie_floor(0, 2, 50.0) == (0, 0.0)  # every block resident: nothing streams
     assert bench.pcie_floor(10**9, 3, None) == (6 * 10**9, None)  # no measured bandwidth (CPU): no floor
+    # lockstep: twice per group of micro-batches (3 in groups of 2: 2 groups)
+    assert bench.pcie_floor(10**9, 2, 50.0, lockstep=2) == (2 * 10**9, 2 * 10**9 / 50e9)
+    assert bench.pcie_floor(10**9, 3, None, lockstep=2) == (4 * 10**9, None)
+    assert bench.pcie_floor(10**9, 2, None, lockstep=5) == (2 * 10**9, None)
+
     import torch
 
     assert bench.pinned_h2d_gb_s(torch.device("cpu")) is None
@@ -250,10 +255,22 @@ def test_the_allocator_setting_defaults_and_a_given_one_is_kept(monkeypatch):
     (["--print-commands", "--resident-blocks", "9" * 5000], "--resident-blocks '999"),
     (["--print-commands", "--resident-blocks", "none"], "use auto or a whole number of blocks"),
     (["--print-commands", "--modes", "offload", "--late-adapters"], "add --prefetch-h2d"),
+    (["--print-commands", "--modes", "offload", "--lockstep", "0"], "micro-batches per lockstep group"),
+    (["--print-commands", "--modes", "offload", "--lockstep", "2", "--recompute-inputs", "1"], "do not combine"),
 ], ids=["auto-not-only-offload", "more-than-25", "more-than-tiny", "huge", "word", "budget-without-partial",
-        "cap-over-1024", "resident-huge", "resident-none", "late-without-prefetch"])
+        "cap-over-1024", "resident-huge", "resident-none", "late-without-prefetch", "lockstep-0",
+        "lockstep-with-recompute"])
 def test_bad_recompute_and_budget_arguments_are_one_error_line(tmp_path, args, needle):
     out = _bench(*args, "--out", str(tmp_path / "out"))
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], out.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_print_commands_carry_the_lockstep_into_each_command_and_folder():
+    out = _bench("--print-commands", "--modes", "offload", "--clips", "81x480x832", "--lockstep", "2",
+                 "--prefetch-h2d")
+    assert out.returncode == 0, out.stderr
+    runs = [x for x in out.stdout.splitlines() if "--modes" in x]
+    assert len(runs) == 1  # no capped recipe-clip rows: those are the recompute lever's
+    assert "--lockstep 2" in runs[0] and runs[0].endswith("81x480x832_offload_lockstep2_prefetch")

@@ -124,6 +124,11 @@ class H2DPrefetch:
             done.record(self.stream)
         self._pending = (result, bufs, done)
 
+    def _wait_copy(self, done: torch.cuda.Event) -> None:
+        """The compute stream waits for the staged copy: the one stream wait the values depend on (without it the
+        unit's kernels may read a device buffer the side stream has not filled yet)."""
+        torch.cuda.current_stream(self.group.device).wait_event(done)
+
     def wait_for_unshard(self, *args: Any, **kwargs: Any) -> Any:
         """FSDP2's ``wait_for_unshard``, reading this unshard's staged device copies instead of the host shards."""
         pending, self._pending = self._pending, None
@@ -132,7 +137,7 @@ class H2DPrefetch:
                 self.dropped += 1
             return self._orig_wait(*args, **kwargs)
         _, bufs, done = pending
-        torch.cuda.current_stream(self.group.device).wait_event(done)
+        self._wait_copy(done)
         params = self.group.fsdp_params
         saved = [(fp._sharded_param_data, fp.offload_to_cpu) for fp in params]
         try:

@@ -30,7 +30,7 @@ generators as upstream does; CPU and CUDA generators give different numbers for 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from miles_ext.levers.finite_step import NonFiniteGuard, guarded_optimizer_step
 from miles_ext.recipe.h3_inputs import build_h3_inputs
 from miles_ext.recipe.schedule import MicroBatchSlot
 from patches.core.runtime import stable_hash
+
+if TYPE_CHECKING:
+    from miles_ext.levers.lockstep import Lockstep
 
 __all__ = [
     "H3_FLOW_SHIFTS",
@@ -189,6 +192,7 @@ def train_step(
     patch_size: tuple[int, int, int] = (1, 2, 2),
     device: torch.device | str | None = None,
     guard: NonFiniteGuard | None = None,
+    lockstep: "Lockstep | None" = None,
 ) -> float:
     """One optimizer step on this rank: the micro-batches ``slots`` (accumulated), clip, step, zero grads.
 
@@ -200,23 +204,38 @@ def train_step(
     ``guard``: decides whether the step is taken (:mod:`miles_ext.levers.finite_step`: a non-finite ``loss_sum`` or
     gradient norm on any rank skips it, adapters and optimizer state untouched, logged and counted in ``guard``);
     default: a fresh :class:`~miles_ext.levers.finite_step.NonFiniteGuard` that prints its line.
+    ``lockstep``: a :class:`miles_ext.levers.lockstep.Lockstep` on ``model``'s blocks: consecutive micro-batches, in
+    groups of its ``group``, are forwarded block by block together and backpropagated in one backward (the same
+    losses, normalised the same way; bitwise the same gradients).
 
     Returns the sum of the micro-batches' ``loss_sum`` (a float, for logging; NaN/inf for a skipped step's bad batch).
     """
     num_local_pairs = sum(len(s.pairs) for s in slots)
     micro_losses: list[float] = []
-    for slot in slots:
+
+    def drawn(slot: MicroBatchSlot) -> list[NoisedPair]:
         micro = [pairs[i] if device is None else pairs[i].to(device) for i in slot.pairs]
-        noised = draw_micro_batch(
+        return draw_micro_batch(
             micro,
             seed=seed,
             rollout_id=slot.rollout_id,
             microbatch_id=slot.microbatch_id,
             dp_rank=slot.dp_rank,
         )
-        loss_sum = micro_batch_loss_sum(model, noised, patch_size)
-        normaliser(loss_sum, len(slot.pairs), num_local_pairs).backward()  # also when non-finite: ranks stay in step
-        micro_losses.append(float(loss_sum.detach()))
+
+    size = lockstep.group if lockstep is not None else 1
+    for start in range(0, len(slots), size):
+        group = slots[start:start + size]
+        if len(group) == 1:
+            loss_sum = micro_batch_loss_sum(model, drawn(group[0]), patch_size)
+            # also when non-finite: ranks stay in step
+            normaliser(loss_sum, len(group[0].pairs), num_local_pairs).backward()
+            micro_losses.append(float(loss_sum.detach()))
+            continue
+        noised = [drawn(slot) for slot in group]
+        sums = lockstep.run([lambda n=n: micro_batch_loss_sum(model, n, patch_size) for n in noised])
+        lockstep.backward([normaliser(ls, len(slot.pairs), num_local_pairs) for ls, slot in zip(sums, group)])
+        micro_losses.extend(float(ls.detach()) for ls in sums)
     if after_backward is not None:
         after_backward()
     guarded_optimizer_step(optimizer, micro_losses, max_grad_norm, guard if guard is not None else NonFiniteGuard())

@@ -142,6 +142,12 @@ class H3SFTConfig:
     instead (miles_ext.levers.input_recompute: every second block at most, each costing one more forward of the block
     before it; gradients bitwise unchanged). auto (with --fsdp-cpu-offload and no --fsdp-resident-blocks): the fewest
     that fit full offload's peak in --gpu-budget-gib less 1 GiB (printed with its terms); none or unset: 0."""
+    lockstep_micro_batches: Optional[str] = None
+    """Forward this many micro-batches of an optimizer step block by block together and backpropagate them in one
+    backward (miles_ext.levers.lockstep): each streamed block is copied host-to-device once per group instead of
+    once per micro-batch, for the group's block inputs and backward working sets on the GPU at once. Bitwise the same
+    step. On one H200 full offload took 7.97 instead of 9.28 s per step of 2
+    at 81x480x832 (all-resident 6.70). 1, none or unset: one micro-batch at a time."""
     gpu_budget_gib: Optional[float] = dataclasses.field(default=None, metadata=meaning(
         gt=0, le=1024, why="GiB of GPU memory (at most 1024, ONECARD_GPU_MEMORY_GIB's limit)"))
     """GPU memory in GiB that --fsdp-resident-blocks auto and --recompute-block-inputs auto fill; default:
@@ -332,6 +338,12 @@ class H3SFTRecipe(Recipe):
             raise UserError(f"--recompute-block-inputs {self.recompute_value}: at most every second of the "
                             f"{self.preset.name} preset's {self.preset.num_layers} transformer blocks can have its "
                             f"input recomputed: use 0 to {self.preset.num_layers // 2}, or auto")
+        from miles_ext.levers.lockstep import parse_group
+
+        self.lockstep_group = parse_group(cfg.lockstep_micro_batches, "--lockstep-micro-batches")
+        if self.lockstep_group > 1 and self.recompute_value != 0:
+            raise UserError("--lockstep-micro-batches and --recompute-block-inputs do not combine (a recomputed input's "
+                            "recipe follows one forward at a time): drop one of them")
         budget = cfg.gpu_budget_gib
         if budget is not None:
             if self.resident_value != "auto" and self.recompute_value != "auto":
@@ -551,6 +563,10 @@ class H3SFTRecipe(Recipe):
             h2d_prefetch=False if cfg.fsdp_sync_h2d else (True if cfg.fsdp_prefetch_h2d else None))
         model, self.init_report = built.model, built.report
         self._recompute_inputs(model)
+        from miles_ext.levers.lockstep import Lockstep
+
+        group = getattr(self, "lockstep_group", 1)  # a caller that skipped the preflight: the lever is off
+        self.lockstep = Lockstep(model, group) if group > 1 else None
         self.rss_peak_init = proc_status_kib(("VmHWM",))["VmHWM"] * 1024  # the process's peak RSS so far
         if not cfg.fsdp_cpu_offload and self.device.type == "cuda":
             model.to(self.device)
@@ -592,7 +608,8 @@ class H3SFTRecipe(Recipe):
         gib = self.cfg.gpu_budget_gib
         budget = int(gib * GiB) if gib is not None else gpu_budget_bytes(self.device)
         res = resolve_residency(model, getattr(self, "resident_value", None), source="--fsdp-resident-blocks",
-                      budget_bytes=budget, tokens=self.max_tokens, say=lambda line: print(line, flush=True))
+                      budget_bytes=budget, tokens=self.max_tokens * getattr(self, "lockstep_group", 1),
+                      say=lambda line: print(line, flush=True))
         self.resident_plan, self.resident_count = res.plan, res.count
         return res.indices
 
@@ -695,7 +712,7 @@ class H3SFTRecipe(Recipe):
 
         total = train_step(self.model, self.opt, slots, rollout_pairs, seed=self.cfg.seed,
                            max_grad_norm=self.cfg.clip_grad, normaliser=normaliser, device=self.device,
-                           guard=self.guard)
+                           guard=self.guard, lockstep=getattr(self, "lockstep", None))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.step_times.append(time.perf_counter() - ts)
@@ -761,6 +778,7 @@ class H3SFTRecipe(Recipe):
             h2d=("prefetch" if attached(self.model) else "sync") if cfg.fsdp_cpu_offload else None,
             fsdp_resident_blocks=self.resident_count,
             recompute_block_inputs=self.recompute_count,
+            lockstep_micro_batches=getattr(self, "lockstep_group", 1),
             input_recompute_plan_bytes=dict(self.recompute_plan.terms) if self.recompute_plan else None,
             residency_plan_bytes=dict(self.resident_plan.terms) if self.resident_plan else None,
             optimizer_device=to_local(next(iter(self.lora.values()))).device.type,

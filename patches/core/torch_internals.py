@@ -1,7 +1,9 @@
 """The torch internals the FSDP2 levers touch, in one guarded table, checked once.
 
 The exact pinned arena (``miles_ext.levers.pinned``), the side-stream host-to-device prefetch
-(``miles_ext.levers.h2d_prefetch``, which rebinds two ``FSDPParamGroup`` methods per unit), the low-RAM init
+(``miles_ext.levers.h2d_prefetch``, which rebinds two ``FSDPParamGroup`` methods per unit), lockstep micro-batches
+(``miles_ext.levers.lockstep``, which toggles each unit's reshard-after-forward and rebinds the root's
+``post_forward``), the low-RAM init
 (``miles_ext.levers.fast_init``), the FSDP2 policy (``miles_ext.levers.fsdp_policy``) and the compact frozen storage
 of an already-wrapped model (``cosmos_framework_ext.levers.frozen_bf16.WrappedFrozenBF16``, upstream's order) read and
 rebind private attributes of FSDP2 (``torch.distributed.fsdp._fully_shard``), the most volatile code onecard relies
@@ -60,6 +62,15 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("fsdp2.group.fields", f"{_FS}._fsdp_param_group:FSDPParamGroup",
              "H2D prefetch, pinned arena, compact frozen (wrapped)",
              fields=(("fsdp_params",), ("device",), ("_all_gather_result",), ("mp_policy",))),
+    Internal("fsdp2.group.post_forward", f"{_FS}._fsdp_param_group:FSDPParamGroup.post_forward", "lockstep",
+             params=(("self", "module", "input", "output"),)),
+    Internal("fsdp2.group.lockstep_fields", f"{_FS}._fsdp_param_group:FSDPParamGroup", "lockstep",
+             fields=(("post_forward_mesh_info",), ("_training_state",), ("is_unsharded",), ("fsdp_params",))),
+    Internal("fsdp2.training_state.forward", f"{_FS}._fsdp_common:TrainingState", "lockstep",
+             fields=(("FORWARD",),)),
+    Internal("fsdp2.param.lockstep_fields", f"{_FS}._fsdp_param:FSDPParam", "lockstep",
+             fields=(("unsharded_param",), ("reduce_dtype",), ("orig_dtype",), ("sharded_size",),
+                     ("offload_to_cpu",), ("sharded_param",))),
     Internal("fsdp2.param.setattr_on_modules", f"{_FS}._fsdp_param:FSDPParam._setattr_on_modules",
              "pinned arena, low-RAM init", params=(("self", "param"),)),
     Internal("fsdp2.param.reset_sharded_param", f"{_FS}._fsdp_param:FSDPParam.reset_sharded_param",

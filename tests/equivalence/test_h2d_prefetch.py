@@ -6,8 +6,11 @@ under full offload (adapters offloaded too and stepped by the host AdamW between
 The tiny H3 preset with LoRA, fp32, the recipe's schedule (``tests.equivalence.test_h3_residency.run_mode``), one
 rank; CUDA only (the lever does nothing on a CPU mesh, checked below).
 
-Planted bug: a prefetch that copies each unit's shards once and then reuses that staged copy (a stale buffer
-across an optimizer step) must break the weight check: the offloaded adapters change on the host at every step.
+Planted bugs: a prefetch that copies each unit's shards once and then reuses that staged copy (a stale buffer
+across an optimizer step) must break the weight check: the offloaded adapters change on the host at every step. A
+missing stream wait (the compute stream does not wait for the side stream's copy) must break the gradient check: the
+side stream is first held back (``torch.cuda._sleep``, about 10 ms per copy) so that the copy lands after the unit's
+kernels read the buffer; the same slow copy with the wait stays bitwise (the control).
 """
 
 from __future__ import annotations
@@ -90,6 +93,13 @@ def _stale_stage(self, result) -> None:
         self._pending = (result, *first)
 
 
+def _slow_stage(self, result) -> None:
+    """The side stream held back about 10 ms (2e7 GPU cycles) before each copy: a copy that lands late."""
+    with torch.cuda.stream(self.stream):
+        torch.cuda._sleep(20_000_000)
+    type(self)._real_stage(self, result)
+
+
 def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
     from miles_ext.levers import h2d_prefetch
     from miles_ext.levers.h2d_prefetch import H2DPrefetch
@@ -112,8 +122,26 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
     H2DPrefetch._real_stage = H2DPrefetch._stage
     H2DPrefetch._stage = _stale_stage
     res["bug_stale"] = run_mode(None, device="cuda", h2d_prefetch=True, **CASES["offload"])
+    H2DPrefetch._stage = _slow_stage
+    res["slow_copy"] = run_mode(None, device="cuda", h2d_prefetch=True, **CASES["offload"])
+    H2DPrefetch._stage = H2DPrefetch._real_stage
     res["units"] = {"": torch.tensor([counts.get("units", 0)])}
     torch.save(res, Path(out_dir) / "cuda.pt")
+
+
+def _cuda_no_wait_worker(rank: int, world: int, out_dir: str) -> None:
+    """Planted: the compute stream does not wait for the (late) copy. Run alone: its kernels read buffers the side
+    stream fills afterwards, and the late copy may land in memory the allocator has handed on (on the H200 it
+    overwrote index tensors: a device-side assert that ends the process)."""
+    from miles_ext.levers.h2d_prefetch import H2DPrefetch
+
+    torch.cuda.set_device(0)
+    torch.use_deterministic_algorithms(True)
+    H2DPrefetch._real_stage = H2DPrefetch._stage
+    H2DPrefetch._stage = _slow_stage
+    H2DPrefetch._wait_copy = lambda self, done: None
+    torch.save({"bug_no_wait": run_mode(None, device="cuda", h2d_prefetch=True, **CASES["offload"])},
+               Path(out_dir) / "cuda.pt")
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +164,22 @@ def test_cuda_prefetch_bitwise_equal_to_fsdp2_sync_copy(cuda_results, case):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
 def test_cuda_planted_stale_staged_copy_is_caught(cuda_results):
     assert not _equal(cuda_results["bug_stale"]["weights"], cuda_results["offload_sync"]["weights"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_cuda_a_late_copy_with_the_stream_wait_is_still_bitwise(cuda_results):
+    assert _equal(cuda_results["slow_copy"]["grads"], cuda_results["offload_sync"]["grads"])
+    assert _equal(cuda_results["slow_copy"]["weights"], cuda_results["offload_sync"]["weights"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_cuda_planted_missing_stream_wait_is_caught(cuda_results, tmp_path):
+    """Caught either way: the process fails (a late copy over memory handed on) or its gradients differ."""
+    from tests.equivalence.h3_ranks import launch_cuda
+
+    try:
+        launch_cuda(_cuda_no_wait_worker, str(tmp_path))
+    except AssertionError:
+        return  # the CUDA worker failed
+    bug = torch.load(tmp_path / "cuda.pt")["bug_no_wait"]
+    assert not _equal(bug["grads"], cuda_results["offload_sync"]["grads"])
