@@ -20,6 +20,10 @@ from patches.core.io import atomic_open
 from patches.core.preflight import check_at_least, check_writable
 
 
+H100_H200_DENSE_BF16_TFLOPS = 989.0
+"""NVIDIA H100/H200 SXM datasheet, dense BF16 (1,979 with 2:4 sparsity): the MFU denominator of the benchmarks."""
+
+
 def pick(flag: str, text: str, known: Iterable[str], *, allow_none: bool = False) -> list[str]:
     """The comma-separated names in ``text`` (stripped, empty entries dropped), each one of ``known``.
 

@@ -102,8 +102,7 @@ ATTENTION_PLACES = (("onecard", "attention"), ("model.attention", "impl"))
 ``attn`` lever put it in ``[onecard] attention``; the issue proposed ``[model.attention] impl`` (marked option)."""
 ATTENTION_FLEX = "flex"
 """The value that selects block-sparse (flex_attention) packed attention."""
-H100_H200_DENSE_BF16_TFLOPS = 989.0
-"""NVIDIA H100/H200 SXM datasheet, dense BF16 (1,979 with 2:4 sparsity)."""
+from benchmarks.checks import H100_H200_DENSE_BF16_TFLOPS  # noqa: E402  (the datasheet figure both benchmarks use)
 MEASURED_GEMM_TFLOPS = 776.0
 """The project's measured limits: bf16 GEMM 8192^3 on its H200, 750-776 TFLOP/s (the achievable ceiling)."""
 

@@ -37,7 +37,11 @@ final one); ``resident_blocks``, ``residency_plan``, ``optimizer_device``; ``cap
 ``ONECARD_GPU_MEMORY_GIB`` the card ran under, ``null`` uncapped); the PCIe floor: ``h2d_gb_s`` (measured pinned
 host-to-device bandwidth, :func:`pinned_h2d_gb_s`), ``h2d_bytes_per_step`` (the offloaded shards' bytes x 2 copies
 per micro-batch x micro-batches, :func:`pcie_floor`) and ``pcie_floor_s`` (their quotient: no step that streams
-those bytes over that link can be shorter than resident + this; ``null`` on the CPU). ``--probe-largest`` adds the largest
+those bytes over that link can be shorter than resident + this; ``null`` on the CPU; with ``--lockstep N``,
+:mod:`miles_ext.levers.lockstep`, 2 copies per group of N micro-batches, and ``lockstep``, ``lockstep_deferred``);
+``optimizer_step_s`` (the timed step's ``optimizer.step()``, device work included); ``preset``,
+``model_tflop_per_step`` (:func:`model_flop_per_micro_batch` x micro-batches) and ``mfu`` (over the 989 TFLOP/s
+dense-bf16 datasheet peak, :func:`mfu`; ``null`` on the CPU). ``--probe-largest`` adds the largest
 480x832 clip (121, 161, 201, 241 frames tried in order) whose resident run completes. Writes ``h3_1gpu.json`` and a
 markdown table ``h3_1gpu.md`` into ``--out`` (atomically, both or neither; bad arguments, an empty selection or no
 GPU without ``--smoke`` are one ``error:`` line and exit status 2 before any run); random weights: timings and memory are the real architecture's,
@@ -88,7 +92,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.checks import (at_least, at_most_card, free_targets, pick, positive, writable_dir,  # noqa: E402
+from benchmarks.checks import (H100_H200_DENSE_BF16_TFLOPS, at_least, at_most_card, free_targets, pick, positive, writable_dir,  # noqa: E402
                                write_together)
 from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
 from patches.core.flags import is_whole_number  # noqa: E402
@@ -144,6 +148,28 @@ def pcie_floor(streamed_bytes: int, micro_batches: int, gb_s: float | None,
     groups). The bound is ``None`` without a measured bandwidth."""
     per_step = streamed_bytes * UNSHARDS_PER_MICRO_BATCH * -(-micro_batches // max(1, lockstep))
     return per_step, (per_step / (gb_s * 1e9) if gb_s else None)
+
+
+def model_flop_per_micro_batch(preset, tokens: int) -> float:
+    """Model FLOPs of one micro-batch (one pair, ``tokens`` packed rows) of the frozen-base LoRA step, forward and
+    backward without the checkpoint's recompute (the MFU convention, PaLM appendix B, less the weight gradients a
+    frozen base does not compute): per transformer block, each attention and MLP weight ``2`` FLOPs per row in the
+    forward and ``2`` in the backward's input gradient (``4 W T``), and attention's two ``T x T`` products,
+    ``4 T^2 d`` forward and twice that backward (``12 T^2 d``, ``d`` = heads x head width). Left out: the AdaLN
+    projections (they see the few timestep rows, not the tokens), the token refiner (text rows only), embeddings,
+    heads and the LoRA adapters (rank 64: under 2 % of the block weights). ``W = 4 h d + 3 h f`` (q, k, v, out; the
+    gated MLP's ``2f x h`` and ``h x f``; ``h`` hidden, ``f`` ffn width): 385.4 M per block on the full preset."""
+    d = preset.num_attention_heads * preset.attention_head_dim
+    weights = 4 * preset.hidden_size * d + 3 * preset.hidden_size * preset.ffn_dim
+    return float(preset.num_layers * (4 * weights * tokens + 12 * tokens ** 2 * d))
+
+
+def mfu(flop_per_step: float, s_per_step: float | None, peak_tflops: float = H100_H200_DENSE_BF16_TFLOPS) -> float | None:
+    """Model FLOPs utilisation: ``flop_per_step / s_per_step`` over the datasheet peak (dense bf16, TFLOP/s);
+    ``None`` without a time."""
+    if not s_per_step:
+        return None
+    return flop_per_step / s_per_step / (peak_tflops * 1e12)
 
 
 def parse_clip(text: str) -> tuple[int, int, int]:
@@ -286,6 +312,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     gb_s = pinned_h2d_gb_s(device)  # after the host figures are read: its pinned buffer is in none of them
     h2d_bytes, floor_s = pcie_floor(rep.requested_bytes if rep else 0, a.micro_batches, gb_s, a.lockstep)
     opt_dev = next(iter(opt.state.values()))["exp_avg"].device.type if opt.state else "none"
+    flop = model_flop_per_micro_batch(preset, tokens) * a.micro_batches
     torch.distributed.destroy_process_group()
     build_s = built.build_s + built.materialise_s
     return {"mode": mode, "clip": clip, "tokens": tokens, "resident_blocks": len(resident) if resident is not None
@@ -312,6 +339,8 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "recompute_block_inputs": recompute, "recomputed_forwards": lever.recomputed if lever else 0,
             "lockstep": a.lockstep, "lockstep_deferred": lock.deferred if lock else 0,
             "optimizer_step_s": median(opt_times[1:]) if len(opt_times) > 1 else None,
+            "preset": preset.name, "model_tflop_per_step": flop / 1e12,
+            "mfu": mfu(flop, median(times)) if cuda else None,
             "input_recompute_plan": rplan.line() if rplan else None,
             "predicted_peak_gib": rplan.total_bytes / GiB if rplan else None,
             "ok": True}
@@ -371,8 +400,8 @@ def table(results: list[dict]) -> str:
     peak overall)."""
     rows = ["| clip | mode | card cap GiB | resident blocks | inputs recomputed | s/step | GPU peak GiB (predicted) "
             "| host GiB init peak / steady / peak | pinned asked GB | locked GB | H2D GB/step | PCIe floor s (GB/s) "
-            "| init s (model + materialise / rest) | optimizer |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| init s (model + materialise / rest) | optimizer | MFU |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def cap(r):
         return "none" if r.get("cap_gib") is None else f"{r['cap_gib']:g}"
@@ -381,7 +410,7 @@ def table(results: list[dict]) -> str:
         if not r.get("ok"):
             why = oom_summary(r.get("error", "")) or r.get("error", "")[:80]
             rows.append(f"| {r['clip']} | {r['mode']} | {cap(r)} | | {r.get('recompute_block_inputs', '')} | failed: "
-                        f"{why} | | | | | | | | |")
+                        f"{why} | | | | | | | | | |")
             continue
         h2d = "" if "h2d_bytes_per_step" not in r else f"{r['h2d_bytes_per_step'] / 1e9:.1f}"
         floor = ("" if r.get("pcie_floor_s") is None else f"{r['pcie_floor_s']:.2f} ({r['h2d_gb_s']:.1f})")
@@ -397,8 +426,21 @@ def table(results: list[dict]) -> str:
                     f"{r['s_per_step']:.2f} | {r['gpu_peak_gib']:.1f}{predicted} | {r['host_peak_init_gib']:.1f} / {r['host_steady_gib']:.1f} / "
                     f"{r['host_peak_gib']:.1f} | {r['pinned_requested_bytes'] / 1e9:.2f} | "
                     f"{r['pinned_locked_bytes'] / 1e9:.2f} | {h2d} | {floor} | {r['init_s']:.0f} ({r['init_meta_shard_s']:.0f} + "
-                    f"{r['init_materialise_s']:.0f} / {r['init_rest_s']:.0f}) | {r['optimizer_device']} |")
+                    f"{r['init_materialise_s']:.0f} / {r['init_rest_s']:.0f}) | {r['optimizer_device']} | "
+                    f"{_mfu_cell(r)} |")
     return "\n".join(rows) + "\n"
+
+
+def _mfu_cell(r: dict) -> str:
+    """A row's MFU in percent: its own ``mfu``; for a GPU row written before rows carried it, computed from its
+    ``tokens`` on the full preset (``model_flop_per_micro_batch``, 2 micro-batches per step as every such row ran);
+    empty on the CPU."""
+    value = r.get("mfu")
+    if value is None and "mfu" not in r and r.get("h2d_gb_s") and r.get("tokens"):
+        from miles_ext.recipe.presets import get_preset
+
+        value = mfu(model_flop_per_micro_batch(get_preset("full"), int(r["tokens"])) * 2, r.get("s_per_step"))
+    return "" if value is None else f"{100 * value:.1f} %"
 
 
 COMMAND_LIMIT_S = 600

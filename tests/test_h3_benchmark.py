@@ -274,3 +274,24 @@ def test_print_commands_carry_the_lockstep_into_each_command_and_folder():
     runs = [x for x in out.stdout.splitlines() if "--modes" in x]
     assert len(runs) == 1  # no capped recipe-clip rows: those are the recompute lever's
     assert "--lockstep 2" in runs[0] and runs[0].endswith("81x480x832_offload_lockstep2_prefetch")
+
+
+def test_model_flops_count_the_blocks_attention_and_mlp_weights_of_diffusers_h3():
+    """The analytic per-block weight count equals diffusers' block's attention and MLP linears (the independent anchor,
+    on the meta model), and the formula by hand: 4 W T + 12 T^2 d per block."""
+    import dataclasses
+
+    from torch import nn
+
+    from miles_ext.recipe.presets import FULL, TINY, meta_transformer
+
+    bench = _module()
+    for preset in (TINY, dataclasses.replace(TINY, num_layers=3)):
+        block = meta_transformer(preset).transformer_blocks[0]
+        weights = sum(m.weight.numel() for n, m in block.named_modules()
+                      if isinstance(m, nn.Linear) and n.split(".")[0] in ("attn", "ff"))
+        d = preset.num_attention_heads * preset.attention_head_dim
+        assert bench.model_flop_per_micro_batch(preset, 7) == preset.num_layers * (4 * weights * 7 + 12 * 49 * d)
+    assert bench.model_flop_per_micro_batch(FULL, 1) == 50 * (4 * 385_351_680 + 12 * 7168)
+    assert bench.mfu(989e12, 1.0) == 1.0 and bench.mfu(989e12, 2.0, peak_tflops=989.0) == 0.5
+    assert bench.mfu(1.0, None) is None and bench.mfu(1.0, 0.0) is None

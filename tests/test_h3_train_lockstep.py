@@ -22,6 +22,7 @@ def test_lockstep_trains_the_sequential_lora_bitwise(small, tmp_path, capsys):  
         assert rc == 0, err[-3000:]
     s = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in runs}
     assert [s[n]["lockstep_micro_batches"] for n in runs] == [1, 2, 2, 1]
+    assert [s[n]["lockstep_groups_run"] for n in runs] == [0, 1, 1, 0]  # one step of 2 micro-batches: one group
     assert s["plain"]["micro_batches_per_step"] == 2  # the lever has two micro-batches to run together
     a = lora_of(tmp_path / "plain")
     for other in ("lockstep", "resident", "off"):

@@ -122,8 +122,13 @@ class Lockstep:
     """Lockstep forwards and one backward for groups of micro-batches over ``units`` (see the module docstring).
 
     Args:
-        model: the model; its blocks (:func:`lockstep_units`) get a forward pre-hook each (removed by :meth:`remove`).
+        model: the model; its blocks (:func:`lockstep_units`) get a forward pre-hook and hook each (removed by
+            :meth:`remove`). FSDP2 units must be at world size 1.
         group: micro-batches per lockstep group (>= 1; 1 leaves every step as it was).
+
+    Raises:
+        ValueError: ``group`` < 1, a model without ``_no_split_modules``, FSDP2 units over more than one rank.
+        UpstreamMismatch: a torch whose FSDP2 internals differ (:mod:`patches.core.torch_internals`).
 
     Attributes:
         forwards: lockstep groups run; ``deferred``: reshards after forward skipped because a later caller of the
@@ -139,6 +144,11 @@ class Lockstep:
             from patches.core import torch_internals
 
             torch_internals.require()  # the FSDP2 internals below, checked before any hook is registered
+        for g in (g for gs in self._unit_groups.values() for g in gs):
+            pg = getattr(g, "_all_gather_process_group", None)
+            if pg is not None and pg.size() != 1:
+                raise ValueError("lockstep micro-batches run at world size 1 only (their gradients are added into "
+                                 "the local shard as a one-rank reduce does)")
         inner = {id(g) for gs in self._unit_groups.values() for g in gs}
         # the units around the blocks (the root): every micro-batch's forward runs inside them at once
         self._outer = [g for g in _groups(model) if id(g) not in inner]

@@ -779,6 +779,7 @@ class H3SFTRecipe(Recipe):
             fsdp_resident_blocks=self.resident_count,
             recompute_block_inputs=self.recompute_count,
             lockstep_micro_batches=getattr(self, "lockstep_group", 1),
+            lockstep_groups_run=self.lockstep.forwards if getattr(self, "lockstep", None) else 0,
             input_recompute_plan_bytes=dict(self.recompute_plan.terms) if self.recompute_plan else None,
             residency_plan_bytes=dict(self.resident_plan.terms) if self.resident_plan else None,
             optimizer_device=to_local(next(iter(self.lora.values()))).device.type,

@@ -342,6 +342,29 @@ def test_planted_losses_out_of_order_are_caught(results):
     assert results["finish_order"]["losses"] != results[("offload", 2, 1)]["losses"]
 
 
+def _two_rank_worker(rank: int, world: int, out_dir: str) -> None:
+    from miles_ext.levers.fsdp_policy import apply_fsdp2
+    from miles_ext.levers.lockstep import Lockstep
+    from tests.equivalence.h3_tiny_run import make_lora_model
+
+    model = make_lora_model(_preset())
+    apply_fsdp2(model, param_dtype=None, reduce_dtype=torch.float32, mesh=cpu_mesh(), cpu_offload=False)
+    try:
+        Lockstep(model, 2)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    if rank == 0:
+        torch.save({"error": error}, Path(out_dir) / "two_ranks.pt")
+
+
+def test_two_ranks_are_refused(tmp_path):
+    """The gradients of micro-batches 1..N-1 are added into the local shard as a one-rank reduce does: over two ranks
+    that would skip the reduce, so the lever refuses FSDP2 units sharded over more than one rank."""
+    launch(_two_rank_worker, 2, str(tmp_path))
+    assert "world size 1 only" in torch.load(tmp_path / "two_ranks.pt")["error"]
+
+
 # ------------------------------------------------------------------------------- on the GPU (device machine)
 def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
     torch.cuda.set_device(0)

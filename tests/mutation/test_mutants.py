@@ -26,6 +26,8 @@ README_PLANTED_BUGS = {
     "exact pinned arena: a shard rebound without its values",
     "a recomputed input from the wrong block", "a dropped input still kept",
     "adapters gathered behind the next block's copy",
+    "lockstep: a block resharded after every micro-batch's forward", "lockstep: gradients summed by autograd",
+    "lockstep: settings not restored after a failure", "lockstep: losses out of order", "missing stream wait",
 }
 SURVIVOR_KINDS = {  # what survived a mutation run before the independent anchors existed
     "EMA update rule", "trainer beta(iteration - 1)", "resume loses the EMA counter",
