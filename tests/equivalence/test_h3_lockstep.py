@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from tests.equivalence.h3_ranks import cpu_mesh, launch
+from tests.equivalence.test_h3_residency import _equal
 
 STEPS, LAYERS = 2, 5
 FSDP = {"none": None, "resident": dict(cpu_offload=False), "offload": dict(cpu_offload=True, exact_pin=True)}
@@ -225,10 +226,6 @@ def aborted(*, mesh=None, bug: str = "") -> dict:
                 "threads": [t.name for t in threading.enumerate() if t.name.startswith("onecard-lockstep")]}
     finally:
         undo()
-
-
-def _equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
 def _worker(rank: int, world: int, out_dir: str) -> None:
