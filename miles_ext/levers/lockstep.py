@@ -157,6 +157,7 @@ class Lockstep:
         self._by_id: dict[int, Any] = {}
         self._saved_mesh: dict[int, Any] = {}
         self._grads: list[tuple[int, Any, Any, torch.Tensor]] = []  # (micro-batch, parameter, FSDPParam|None, alias)
+        self._roots: list[torch.Tensor] = []  # the last run's results that require grad (made in the worker threads)
         self._swapped: dict[int, list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]] = {}
         self.forwards = 0
         self.deferred = 0
@@ -316,7 +317,9 @@ class Lockstep:
                 del g.post_forward
             self._restore_mesh()
         self.forwards += 1
-        return [w.result for w in workers]
+        results = [w.result for w in workers]
+        self._roots = [r for r in results if isinstance(r, torch.Tensor) and r.requires_grad]
+        return results
 
     def _restore_mesh(self) -> None:
         for gid, mesh in self._saved_mesh.items():
@@ -330,11 +333,26 @@ class Lockstep:
         Nothing is deferred here: each worker thread numbers its autograd nodes from 0 (the sequence number is
         thread-local), so the micro-batches' graphs of the same structure carry the same numbers and autograd runs
         them node by node side by side; each unit's post-backward fires after both calls' backward of it, and the
-        unit is resharded once. Should one micro-batch's backward run ahead instead (a graph with more nodes before
+        unit is resharded once. The engine is started at the run's results, whose nodes carry the workers' numbers
+        (each the highest of its thread): ``losses`` computed from them on the calling thread (the recipe's
+        normalisation) carry the caller's numbers, which may be lower than every node of the workers' graphs (a fresh
+        caller thread, or one that made fewer nodes than a forward does), and starting there let one micro-batch's
+        whole backward run before the other's began, gathering every unit once per micro-batch (seen on the H200 at
+        2 x 50 blocks). So the gradients of the results are taken first (``torch.autograd.grad`` over the caller's
+        nodes alone: the same nodes, the same values) and the backward then starts from the results with them.
+        Each result must reach the losses only through them (a result used twice is summed by ``grad`` as the one
+        backward would sum it). Should one micro-batch's backward still run ahead (a graph with more nodes before
         its blocks), the units are gathered again for the others rather than kept gathered for all of them.
         """
         try:
-            torch.autograd.backward(list(losses))
+            losses = list(losses)
+            roots, self._roots = self._roots, []
+            if roots and not all(any(r is l for r in roots) for l in losses):
+                grads = torch.autograd.grad(losses, roots, allow_unused=True)
+                pairs = [(r, g) for r, g in zip(roots, grads) if g is not None]
+                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+            else:
+                torch.autograd.backward(losses)
             self._fold()
         finally:
             self._grads.clear()

@@ -16,7 +16,10 @@ Claims, on the tiny H3 preset with 5 transformer blocks and LoRA (fp32, CPU, one
 - a micro-batch that raises stops the group: the caller gets its exception, no lockstep thread is left, every unit's
   reshard setting is back.
 
-Planted bugs, each failing its own check: the forward's deferral missing (the gather count), the units' settings
+Also when the steps run in a fresh thread (its autograd sequence numbers start at 0, below the workers' graphs).
+
+Planted bugs, each failing its own check: the forward's deferral missing (the gather count), the backward started at
+the caller's losses (the gather count in a fresh thread), the units' settings
 not restored after a micro-batch failed (the settings check), the micro-batches' gradients summed by autograd in bf16
 (the bf16 gradients), the losses returned in finishing order (the
 per-micro-batch losses).
@@ -67,6 +70,15 @@ def _plant(bug: str):
         real_own = cls._own_gradients
         cls._own_gradients = lambda self, unit, w: None  # every call uses the parameter itself: autograd sums
         return lambda: setattr(cls, "_own_gradients", real_own)
+    if bug == "caller_roots":
+        real_bw = cls.backward
+
+        def backward(self, losses):  # the engine started at the caller's losses (the order before the fix)
+            self._roots = []
+            return real_bw(self, losses)
+
+        cls.backward = backward
+        return lambda: setattr(cls, "backward", real_bw)
     if bug == "finish_order":
         real_run = cls.run
         cls.run = lambda self, fns: list(reversed(real_run(self, fns)))
@@ -124,9 +136,11 @@ def _skewed(real_run):
 
 
 def run(micro: int, fsdp: str, group: int, *, mesh=None, bug: str = "", skew: bool = False, device=None,
-        dtype=torch.float32, **fsdp_kw) -> dict:
+        dtype=torch.float32, fresh_thread: bool = False, **fsdp_kw) -> dict:
     """Train 2 steps of ``micro`` micro-batches with lockstep groups of ``group`` (1: sequential); step-1 grads,
-    per-micro-batch losses of step 1, final weights, gathers per unit over both steps, and the units' state after."""
+    per-micro-batch losses of step 1, final weights, gathers per unit over both steps, and the units' state after.
+    ``fresh_thread``: the steps run in a new thread, whose autograd sequence numbers start at 0 (as a trainer's main
+    thread that made few autograd nodes: the recipe's normalisation then numbers its nodes below every worker's)."""
     from miles_ext.levers.fsdp_policy import apply_fsdp2
     from miles_ext.levers.lockstep import Lockstep, _groups, lockstep_units
     from miles_ext.levers.lora import lora_parameters
@@ -171,9 +185,22 @@ def run(micro: int, fsdp: str, group: int, *, mesh=None, bug: str = "", skew: bo
         units = [g for u in lockstep_units(model) for g in _groups(u)]
         settings = [(g.post_forward_mesh_info, g.reshard_after_backward) for g in units]
         counter = _GatherCount()
-        for slots in pair_schedule(micro, 1, STEPS, 1)[:STEPS]:
-            train_step(model, opt, slots, pairs, seed=3, max_grad_norm=0.05, after_backward=snap, lockstep=lever,
-                       normaliser=normaliser, device=device)
+        def steps() -> None:
+            for slots in pair_schedule(micro, 1, STEPS, 1)[:STEPS]:
+                train_step(model, opt, slots, pairs, seed=3, max_grad_norm=0.05, after_backward=snap, lockstep=lever,
+                           normaliser=normaliser, device=device)
+
+        if fresh_thread:
+            import threading
+
+            failed: list[BaseException] = []
+            t = threading.Thread(target=lambda: _capture(steps, failed))
+            t.start()
+            t.join()
+            if failed:
+                raise failed[0]
+        else:
+            steps()
         out["gathers"] = sorted(counter.counts.get(id(g), 0) for g in units) if units else []
         out["peak_gathered"] = counter.peak
         out["restored"] = [(g.post_forward_mesh_info, g.reshard_after_backward) for g in units] == settings
@@ -186,6 +213,13 @@ def run(micro: int, fsdp: str, group: int, *, mesh=None, bug: str = "", skew: bo
         if counter is not None:
             counter.undo()
         undo()
+
+
+def _capture(fn, failed: list) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
+        failed.append(e)
 
 
 def aborted(*, mesh=None, bug: str = "") -> dict:
@@ -238,6 +272,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         res[("bf16", micro, group)] = run(micro, "offload", group, mesh=cpu_mesh(), dtype=torch.bfloat16)
     res["shared_grad"] = run(2, "offload", 2, mesh=cpu_mesh(), dtype=torch.bfloat16, bug="shared_grad")
     res["skewed"] = run(2, "offload", 2, mesh=cpu_mesh(), skew=True)
+    res["fresh"] = run(2, "offload", 2, mesh=cpu_mesh(), fresh_thread=True)
+    res["caller_roots"] = run(2, "offload", 2, mesh=cpu_mesh(), fresh_thread=True, bug="caller_roots")
     for bug in ("no_forward_defer", "finish_order"):
         res[bug] = run(2, "offload", 2, mesh=cpu_mesh(), bug=bug)
     res["aborted"] = aborted(mesh=cpu_mesh())
@@ -292,6 +328,22 @@ def test_each_offloaded_unit_is_gathered_twice_per_group(results):
     assert results[("offload", 2, 2)]["gathers"] == [2 * STEPS] * units
     assert results[("offload", 3, 3)]["gathers"] == [2 * STEPS] * units
     assert results[("offload", 2, 2)]["deferred"] > 0
+
+
+def test_a_fresh_caller_thread_still_gathers_each_unit_once_per_group_in_the_backward(results):
+    """The steps run in a new thread: the recipe's normalisation (``loss_sum / num_local_pairs``, on the caller's
+    thread) numbers its nodes below the workers' graphs. Each unit is still gathered twice per group (the backward
+    starts at the workers' results), with the same bits."""
+    got, ref = results["fresh"], results[("offload", 2, 1)]
+    assert got["gathers"] == results[("offload", 2, 2)]["gathers"] == [2 * STEPS] * len(ref["gathers"])
+    assert _equal(got["grads"], ref["grads"]) and _equal(got["weights"], ref["weights"])
+    assert got["losses"] == ref["losses"]
+
+
+def test_planted_backward_from_the_callers_losses_is_caught(results):
+    """The engine started at the caller's losses: one micro-batch's whole backward runs first and every unit is
+    gathered again for the other (what the H200 showed at 50 blocks)."""
+    assert results["caller_roots"]["gathers"] != results["fresh"]["gathers"]
 
 
 def test_no_more_units_are_gathered_at_once_than_in_the_sequential_step(results):

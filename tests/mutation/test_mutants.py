@@ -28,6 +28,7 @@ README_PLANTED_BUGS = {
     "adapters gathered behind the next block's copy",
     "lockstep: a block resharded after every micro-batch's forward", "lockstep: gradients summed by autograd",
     "lockstep: settings not restored after a failure", "lockstep: losses out of order", "missing stream wait",
+    "lockstep: the backward started at the caller's losses",
 }
 SURVIVOR_KINDS = {  # what survived a mutation run before the independent anchors existed
     "EMA update rule", "trainer beta(iteration - 1)", "resume loses the EMA counter",
