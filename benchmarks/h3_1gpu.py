@@ -195,6 +195,29 @@ def synthetic_pair(preset, clip: tuple[int, int, int], spatial: int, temporal: i
                    audio=torch.zeros(2, preset.audio_in_channels, max(2, 4 * t)))
 
 
+class GatheredBytes:
+    """Counts the bytes of offloaded FSDP2 shards gathered to the device while :attr:`counting` (each unit's
+    ``_to_unsharded``, reached once per gather that copies its host shards): the host-to-device bytes a step really
+    moved, next to :func:`pcie_floor`'s model of them. :meth:`undo` restores FSDP2."""
+
+    def __init__(self):
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        self.cls, self.real, self.bytes, self.counting = FSDPParamGroup, FSDPParamGroup._to_unsharded, 0, False
+        real = self.real
+
+        def to_unsharded(group):
+            if self.counting:
+                self.bytes += sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size()
+                                  for fp in group.fsdp_params if fp.offload_to_cpu)
+            return real(group)
+
+        FSDPParamGroup._to_unsharded = to_unsharded
+
+    def undo(self) -> None:
+        self.cls._to_unsharded = self.real
+
+
 def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     """One configuration in this process (the child); returns its result dict."""
     import torch
@@ -276,6 +299,12 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
         model.to(device)
     lora = lora_parameters(model)
     opt = torch.optim.AdamW(list(lora.values()), lr=1e-4)
+    stepper = None
+    if a.adapter_step:  # the offloaded adapters' AdamW on the device (miles_ext.levers.adapter_step)
+        from miles_ext.levers.adapter_step import AdapterStepOnDevice, pin_adapter_gradients
+
+        pin_adapter_gradients(model)
+        stepper = AdapterStepOnDevice(opt, device)
     init_s = time.perf_counter() - t0
     status = proc_status_kib(("VmHWM", "VmRSS"))
     host_peak_init, host_after_init = status["VmHWM"] * 1024 / GiB, status["VmRSS"] * 1024 / GiB
@@ -299,19 +328,25 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
-    for i, slots in enumerate(sched):
-        ts = time.perf_counter()
-        train_step(model, opt, slots, pairs, seed=0, max_grad_norm=1.0, device=device, lockstep=lock)
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i > 0:
-            times.append(time.perf_counter() - ts)
+    gathered = GatheredBytes()
+    try:
+        for i, slots in enumerate(sched):
+            gathered.counting = i > 0  # the timed steps
+            ts = time.perf_counter()
+            train_step(model, opt, slots, pairs, seed=0, max_grad_norm=1.0, device=device, lockstep=lock)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if i > 0:
+                times.append(time.perf_counter() - ts)
+    finally:
+        gathered.undo()
     rep = pinned_report(model)
     locked = locked_bytes()
     status = proc_status_kib(("VmHWM", "VmRSS"))
     gb_s = pinned_h2d_gb_s(device)  # after the host figures are read: its pinned buffer is in none of them
     h2d_bytes, floor_s = pcie_floor(rep.requested_bytes if rep else 0, a.micro_batches, gb_s, a.lockstep)
-    opt_dev = next(iter(opt.state.values()))["exp_avg"].device.type if opt.state else "none"
+    opt_dev = (f"{device.type} (streamed)" if stepper is not None else
+               next(iter(opt.state.values()))["exp_avg"].device.type if opt.state else "none")
     flop = model_flop_per_micro_batch(preset, tokens) * a.micro_batches
     torch.distributed.destroy_process_group()
     build_s = built.build_s + built.materialise_s
@@ -338,6 +373,8 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0,
             "recompute_block_inputs": recompute, "recomputed_forwards": lever.recomputed if lever else 0,
             "lockstep": a.lockstep, "lockstep_deferred": lock.deferred if lock else 0,
+            "adapter_step": stepper is not None,
+            "h2d_bytes_counted_per_step": gathered.bytes // max(1, len(times)),
             "optimizer_step_s": median(opt_times[1:]) if len(opt_times) > 1 else None,
             "preset": preset.name, "model_tflop_per_step": flop / 1e12,
             "mfu": mfu(flop, median(times)) if cuda else None,
@@ -399,7 +436,7 @@ def table(results: list[dict]) -> str:
     group, synthetic data, ``.to(device)``, optimizer; host GiB: peak through init / steady after the timed steps /
     peak overall)."""
     rows = ["| clip | mode | card cap GiB | resident blocks | inputs recomputed | s/step | GPU peak GiB (predicted) "
-            "| host GiB init peak / steady / peak | pinned asked GB | locked GB | H2D GB/step | PCIe floor s (GB/s) "
+            "| host GiB init peak / steady / peak | pinned asked GB | locked GB | H2D GB/step (model / counted) | PCIe floor s (GB/s) "
             "| init s (model + materialise / rest) | optimizer | MFU |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -413,6 +450,8 @@ def table(results: list[dict]) -> str:
                         f"{why} | | | | | | | | | |")
             continue
         h2d = "" if "h2d_bytes_per_step" not in r else f"{r['h2d_bytes_per_step'] / 1e9:.1f}"
+        if r.get("h2d_bytes_counted_per_step") is not None:
+            h2d += f" / {r['h2d_bytes_counted_per_step'] / 1e9:.1f}"
         floor = ("" if r.get("pcie_floor_s") is None else f"{r['pcie_floor_s']:.2f} ({r['h2d_gb_s']:.1f})")
         mode = r["mode"] + {"prefetch": " (H2D prefetch)", "sync": ""}.get(r.get("h2d"), "")
         if (r["mode"] == "offload" and r.get("h2d") == "prefetch"  # partial keeps its adapters on the card
@@ -464,6 +503,8 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
         opts += f" --recompute-inputs {recompute}"
     if a.lockstep > 1:
         opts += f" --lockstep {a.lockstep}"
+    if a.adapter_step:
+        opts += " --adapter-step"
     sync = " --sync-h2d" if a.sync_h2d else ""
     pre = (" --prefetch-h2d" + (" --late-adapters" if a.late_adapters else "")) if a.prefetch_h2d else ""
     configs = [(m, c) for c in clips for m in modes]
@@ -572,6 +613,9 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--lockstep", type=int, default=1,
                     help="micro-batches forwarded block by block together, each streamed block copied once per group "
                          "(miles_ext.levers.lockstep); 1: one micro-batch at a time")
+    ap.add_argument("--adapter-step", action="store_true",
+                    help="offload: the offloaded adapters' AdamW step on the GPU, streamed, and their gradients copied "
+                         "to pinned memory without a wait (miles_ext.levers.adapter_step)")
     ap.add_argument("--steps", type=int, default=1, help="timed optimizer steps after one warm-up step")
     ap.add_argument("--micro-batches", type=int, default=2, help="accumulated micro-batches per optimizer step")
     ap.add_argument("--lora-rank", type=int, default=64)
@@ -629,6 +673,9 @@ def _check_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     if a.late_adapters and not a.prefetch_h2d:
         raise UserError("--late-adapters changes when the side-stream prefetch gathers the offloaded adapters: add "
                         "--prefetch-h2d (and --modes offload), or drop --late-adapters")
+    if a.adapter_step and modes != ["offload"]:
+        raise UserError("--adapter-step streams the adapters full offload keeps on the host (the other modes keep them "
+                        "on the card): use --modes offload with it, or drop --adapter-step")
     if a.sync_h2d and "partial" not in modes:
         raise UserError("--sync-h2d turns off the side-stream prefetch of partial residency, the only mode that uses "
                         "it: add partial to --modes, or drop --sync-h2d")
@@ -700,6 +747,8 @@ def _main(argv: list[str] | None) -> int:
         passthrough.append("--prefetch-h2d")
     if a.late_adapters:
         passthrough.append("--late-adapters")
+    if a.adapter_step:
+        passthrough.append("--adapter-step")
     if a.smoke:  # the tiny model fits any budget: stream 3 of its 4 blocks so that partial residency streams
         passthrough = [x for x in passthrough if not x.startswith("--resident-blocks")]
         passthrough += ["--smoke", "--resident-blocks=1"]

@@ -125,6 +125,11 @@ class H3SFTConfig:
     residency). Same values; on one H200 full offload took 35.58 instead of 38.43 s per step at 107x768x1344 and 9.81
     instead of 13.05 s at 81x480x832, for one more block on the GPU (+1.2-1.5 GiB). Off by default under full offload:
     the 24 GB card's configuration was measured without it."""
+    adapter_step_on_gpu: bool = False
+    """Under full offload (--fsdp-cpu-offload without --fsdp-resident-blocks): the LoRA adapters' AdamW step runs on
+    the GPU, their parameters, gradients and moments streamed in and out around it, and their gradients reach the host
+    without a wait (miles_ext.levers.adapter_step). Bitwise the all-resident run's step; the host step (torch's CPU
+    AdamW) rounds differently."""
     fsdp_sync_h2d: bool = False
     """With --fsdp-resident-blocks: leave FSDP2's own host-to-device copy on the compute stream (torch at one rank
     does not prefetch it) instead of miles_ext.levers.h2d_prefetch's side-stream copy one block ahead; same values, slower."""
@@ -321,6 +326,10 @@ class H3SFTRecipe(Recipe):
         if cfg.fsdp_prefetch_h2d and not cfg.fsdp_cpu_offload:
             raise UserError("--fsdp-prefetch-h2d streams offloaded blocks ahead of use; without --fsdp-cpu-offload "
                             "nothing is offloaded: add --fsdp-cpu-offload, or drop --fsdp-prefetch-h2d")
+        if cfg.adapter_step_on_gpu and not (cfg.fsdp_cpu_offload and self.resident_value is None):
+            raise UserError("--adapter-step-on-gpu steps the adapters that full offload keeps on the host; here they "
+                            "are on the GPU already: use it with --fsdp-cpu-offload and no --fsdp-resident-blocks "
+                            "(RESIDENT_BLOCKS=none in the launcher), or drop it")
         if cfg.fsdp_prefetch_h2d and cfg.fsdp_sync_h2d:
             raise UserError("--fsdp-prefetch-h2d and --fsdp-sync-h2d ask for opposite things: keep one")
         if cfg.fsdp_sync_h2d and self.resident_value is None:
@@ -476,6 +485,15 @@ class H3SFTRecipe(Recipe):
         self._print_model()
         self.opt = torch.optim.AdamW(list(self.lora.values()), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
                                      weight_decay=0.0)
+        self.adapter_step = None
+        if cfg.adapter_step_on_gpu:
+            from miles_ext.levers.adapter_step import AdapterStepOnDevice, pin_adapter_gradients
+
+            pinned = pin_adapter_gradients(self.model)
+            self.adapter_step = AdapterStepOnDevice(self.opt, self.device)
+            print(f"onecard: the adapters' AdamW step on {self.device.type}: {len(self.adapter_step.groups)} stream "
+                  f"groups, moments in {self.adapter_step.arena.nbytes / GiB:.2f} GiB of host arena"
+                  + (f", {pinned} gradients copied to pinned memory without a wait" if pinned else ""), flush=True)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.data_gen = torch.Generator().manual_seed(cfg.seed)
@@ -782,7 +800,11 @@ class H3SFTRecipe(Recipe):
             lockstep_groups_run=self.lockstep.forwards if getattr(self, "lockstep", None) else 0,
             input_recompute_plan_bytes=dict(self.recompute_plan.terms) if self.recompute_plan else None,
             residency_plan_bytes=dict(self.resident_plan.terms) if self.resident_plan else None,
-            optimizer_device=to_local(next(iter(self.lora.values()))).device.type,
+            optimizer_device=(self.device.type if getattr(self, "adapter_step", None) is not None
+                              else to_local(next(iter(self.lora.values()))).device.type),
+            adapter_step=(dict(groups=len(self.adapter_step.groups), **self.adapter_step.stats,
+                               pinned_moment_bytes=self.adapter_step.pinned_bytes)
+                          if getattr(self, "adapter_step", None) is not None else None),
             init_s=self.init_s,
             data=self.data_info,
             deterministic_mode=bool(cfg.deterministic_mode),

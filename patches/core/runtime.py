@@ -92,6 +92,18 @@ def as_dtensor(local: torch.Tensor, mesh, placements, shape, stride):
                               stride=tuple(stride))
 
 
+def host_dtensor_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor with ``like``'s spec (mesh, placements, global shape and stride) when ``like`` is a
+    DTensor, else ``local`` itself. No data moves: ``local`` may live on the host while the mesh is CUDA (a
+    CPU-offloaded FSDP2 parameter's optimizer state), where ``DTensor.from_local`` would copy it to the mesh's device.
+    """
+    if not hasattr(like, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
 def stable_hash(*parts: object) -> int:
     """A process-independent 63-bit hash of ``parts`` (upstream ``utils/hash_utils.stable_hash``).
 

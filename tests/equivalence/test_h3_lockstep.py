@@ -425,6 +425,7 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
     for group in (1, 2):
         res[("none", group)] = run(2, "none", group, device="cuda")
         res[("bf16_prefetch", group)] = run(2, "offload", group, device="cuda", dtype=torch.bfloat16, h2d_prefetch=True)
+    res["fresh_prefetch"] = run(2, "offload", 2, device="cuda", h2d_prefetch=True, fresh_thread=True)
     torch.save(res, Path(out_dir) / "cuda.pt")
 
 
@@ -445,3 +446,10 @@ def test_cuda_two_micro_batches_in_lockstep_are_bitwise_the_sequential_step(cuda
     if name != "none":
         assert got["gathers"] == [2 * STEPS] * len(got["gathers"]) and ref["gathers"] == [4 * STEPS] * len(got["gathers"])
         assert got["peak_gathered"] <= ref["peak_gathered"] and got["sharded"] and got["restored"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_cuda_a_fresh_caller_thread_gathers_each_unit_once_per_group(cuda_results):
+    got, ref = cuda_results["fresh_prefetch"], cuda_results[("offload_prefetch", 1)]
+    assert got["gathers"] == [2 * STEPS] * len(got["gathers"])
+    assert _equal(got["grads"], ref["grads"]) and _equal(got["weights"], ref["weights"])

@@ -1,0 +1,52 @@
+"""``miles_ext.recipe.train --adapter-step-on-gpu`` on the CPU, tiny preset, full offload: the flag reaches
+:mod:`miles_ext.levers.adapter_step` (the summary's ``adapter_step``), the LoRA and AdamW moments trained equal stock
+full offload's bitwise (on the CPU the step runs on the host: the same kernel), a resumed run continues bitwise, and a
+run where it has nothing to stream is one ``error:`` line before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.test_h3_train_residency import lora_of, small, train  # noqa: F401  (small: the shared fixture)
+
+
+def _moments(run_dir):
+    ckpt = sorted((run_dir / "checkpoints").glob("iter_*.pt"))[-1]
+    return torch.load(ckpt, weights_only=False)["optimizer"]["state"]
+
+
+def test_the_adapter_step_trains_stock_full_offloads_lora_bitwise(small, tmp_path, capsys):  # noqa: F811
+    runs = {"stock": ["--fsdp-cpu-offload", "--num-rollout", "2"],
+            "lever": ["--fsdp-cpu-offload", "--adapter-step-on-gpu", "--num-rollout", "2"]}
+    for name, extra in runs.items():
+        rc, out, err = train(small, tmp_path / name, *extra, capsys=capsys)
+        assert rc == 0, err[-3000:]
+    # the lever's run resumed for one more rollout, against stock's 3 straight
+    rc, out, err = train(small, tmp_path / "lever", "--fsdp-cpu-offload", "--adapter-step-on-gpu", "--num-rollout", "3",
+                         capsys=capsys)
+    assert rc == 0 and "resumed" in out, err[-3000:]
+    rc, out, err = train(small, tmp_path / "stock", "--fsdp-cpu-offload", "--num-rollout", "3", capsys=capsys)
+    assert rc == 0, err[-3000:]
+    s = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in runs}
+    assert s["stock"]["adapter_step"] is None
+    assert s["lever"]["adapter_step"]["groups"] >= 1 and s["lever"]["adapter_step"]["steps"] >= 1
+    assert s["lever"]["optimizer_device"] == "cpu"  # the CPU run's "device" is the host
+    a, b = lora_of(tmp_path / "stock"), lora_of(tmp_path / "lever")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    ma, mb = _moments(tmp_path / "stock"), _moments(tmp_path / "lever")
+    assert ma.keys() == mb.keys() and all(ma[n][k].equal(mb[n][k]) for n in ma for k in ma[n])
+
+
+@pytest.mark.parametrize("extra", [["--adapter-step-on-gpu"],
+                                   ["--fsdp-cpu-offload", "--fsdp-resident-blocks", "1", "--adapter-step-on-gpu"]])
+def test_nothing_to_stream_is_one_error_line_before_any_work(small, tmp_path, capsys, extra):  # noqa: F811
+    rc, out, err = train(small, tmp_path / "bad", *extra, capsys=capsys)
+    assert rc == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("error:") and "--adapter-step-on-gpu" in lines[-1], err
+    assert "RESIDENT_BLOCKS=none" in lines[-1]
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+    assert "clips from" not in out
