@@ -196,20 +196,25 @@ def synthetic_pair(preset, clip: tuple[int, int, int], spatial: int, temporal: i
 
 
 class GatheredBytes:
-    """Counts the bytes of offloaded FSDP2 shards gathered to the device while :attr:`counting` (each unit's
-    ``_to_unsharded``, reached once per gather that copies its host shards): the host-to-device bytes a step really
-    moved, next to :func:`pcie_floor`'s model of them. :meth:`undo` restores FSDP2."""
+    """Counts the bytes of ``model``'s offloaded FSDP2 shards gathered to the device while :attr:`counting` (each
+    offloaded unit's ``_to_unsharded``, reached once per gather that copies its host shards, whichever stream copies
+    them): the host-to-device bytes a step really moved, next to :func:`pcie_floor`'s model of them. :meth:`undo`
+    restores FSDP2."""
 
-    def __init__(self):
+    def __init__(self, model):
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+        from patches.core import torch_internals
+
+        sizes = {id(g): sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size()
+                            for fp in g.fsdp_params) for g in torch_internals.fsdp_param_groups(model)
+                 if any(fp.offload_to_cpu for fp in g.fsdp_params)}
         self.cls, self.real, self.bytes, self.counting = FSDPParamGroup, FSDPParamGroup._to_unsharded, 0, False
         real = self.real
 
         def to_unsharded(group):
             if self.counting:
-                self.bytes += sum(fp._sharded_param_data.numel() * fp._sharded_param_data.element_size()
-                                  for fp in group.fsdp_params if fp.offload_to_cpu)
+                self.bytes += sizes.get(id(group), 0)
             return real(group)
 
         FSDPParamGroup._to_unsharded = to_unsharded
@@ -328,7 +333,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
-    gathered = GatheredBytes()
+    gathered = GatheredBytes(model)
     try:
         for i, slots in enumerate(sched):
             gathered.counting = i > 0  # the timed steps

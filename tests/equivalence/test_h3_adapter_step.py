@@ -270,7 +270,7 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
         model, _, opt, _ = _build(mode="offload", lever=lever, group_bytes=SOME_GROUPS, device=torch.device("cuda"),
                                   mesh=None)
         res[name] = _sync_grad_copies(model, opt, pairs, schedule)
-    torch.save(res, Path(out_dir) / "adapter_step_cuda.pt")
+    torch.save(res, Path(out_dir) / "cuda.pt")
 
 
 @pytest.fixture(scope="module")
