@@ -305,11 +305,12 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
     lora = lora_parameters(model)
     opt = torch.optim.AdamW(list(lora.values()), lr=1e-4)
     stepper = None
-    if a.adapter_step:  # the offloaded adapters' AdamW on the device (miles_ext.levers.adapter_step)
-        from miles_ext.levers.adapter_step import AdapterStepOnDevice, pin_adapter_gradients
+    from miles_ext.levers.adapter_step import AdapterStepOnDevice, pin_adapter_gradients
 
-        pin_adapter_gradients(model)
+    if a.adapter_step:  # the offloaded adapters' AdamW on the device (miles_ext.levers.adapter_step)
+
         stepper = AdapterStepOnDevice(opt, device)
+    pinned_grads = pin_adapter_gradients(model) if a.pin_adapter_gradients else 0
     init_s = time.perf_counter() - t0
     status = proc_status_kib(("VmHWM", "VmRSS"))
     host_peak_init, host_after_init = status["VmHWM"] * 1024 / GiB, status["VmRSS"] * 1024 / GiB
@@ -378,7 +379,7 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0,
             "recompute_block_inputs": recompute, "recomputed_forwards": lever.recomputed if lever else 0,
             "lockstep": a.lockstep, "lockstep_deferred": lock.deferred if lock else 0,
-            "adapter_step": stepper is not None,
+            "adapter_step": stepper is not None, "pinned_adapter_gradients": pinned_grads,
             "h2d_bytes_counted_per_step": gathered.bytes // max(1, len(times)),
             "optimizer_step_s": median(opt_times[1:]) if len(opt_times) > 1 else None,
             "preset": preset.name, "model_tflop_per_step": flop / 1e12,
@@ -510,6 +511,8 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
         opts += f" --lockstep {a.lockstep}"
     if a.adapter_step:
         opts += " --adapter-step"
+    if a.pin_adapter_gradients:
+        opts += " --pin-adapter-gradients"
     sync = " --sync-h2d" if a.sync_h2d else ""
     pre = (" --prefetch-h2d" + (" --late-adapters" if a.late_adapters else "")) if a.prefetch_h2d else ""
     configs = [(m, c) for c in clips for m in modes]
@@ -619,8 +622,11 @@ def _parser() -> ArgumentParser:
                     help="micro-batches forwarded block by block together, each streamed block copied once per group "
                          "(miles_ext.levers.lockstep); 1: one micro-batch at a time")
     ap.add_argument("--adapter-step", action="store_true",
-                    help="offload: the offloaded adapters' AdamW step on the GPU, streamed, and their gradients copied "
-                         "to pinned memory without a wait (miles_ext.levers.adapter_step)")
+                    help="offload: the offloaded adapters' AdamW step on the GPU, streamed "
+                         "(miles_ext.levers.adapter_step)")
+    ap.add_argument("--pin-adapter-gradients", action="store_true",
+                    help="offload: the offloaded adapters' gradients copied to pinned host memory without a wait "
+                         "(miles_ext.levers.adapter_step.pin_adapter_gradients)")
     ap.add_argument("--steps", type=int, default=1, help="timed optimizer steps after one warm-up step")
     ap.add_argument("--micro-batches", type=int, default=2, help="accumulated micro-batches per optimizer step")
     ap.add_argument("--lora-rank", type=int, default=64)
@@ -678,9 +684,10 @@ def _check_args(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     if a.late_adapters and not a.prefetch_h2d:
         raise UserError("--late-adapters changes when the side-stream prefetch gathers the offloaded adapters: add "
                         "--prefetch-h2d (and --modes offload), or drop --late-adapters")
-    if a.adapter_step and modes != ["offload"]:
-        raise UserError("--adapter-step streams the adapters full offload keeps on the host (the other modes keep them "
-                        "on the card): use --modes offload with it, or drop --adapter-step")
+    for flag, on in (("--adapter-step", a.adapter_step), ("--pin-adapter-gradients", a.pin_adapter_gradients)):
+        if on and modes != ["offload"]:
+            raise UserError(f"{flag} acts on the adapters full offload keeps on the host (the other modes keep them "
+                            f"on the card): use --modes offload with it, or drop {flag}")
     if a.sync_h2d and "partial" not in modes:
         raise UserError("--sync-h2d turns off the side-stream prefetch of partial residency, the only mode that uses "
                         "it: add partial to --modes, or drop --sync-h2d")
@@ -754,6 +761,8 @@ def _main(argv: list[str] | None) -> int:
         passthrough.append("--late-adapters")
     if a.adapter_step:
         passthrough.append("--adapter-step")
+    if a.pin_adapter_gradients:
+        passthrough.append("--pin-adapter-gradients")
     if a.smoke:  # the tiny model fits any budget: stream 3 of its 4 blocks so that partial residency streams
         passthrough = [x for x in passthrough if not x.startswith("--resident-blocks")]
         passthrough += ["--smoke", "--resident-blocks=1"]

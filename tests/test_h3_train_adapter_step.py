@@ -20,7 +20,7 @@ def _moments(run_dir):
 
 def test_the_adapter_step_trains_stock_full_offloads_lora_bitwise(small, tmp_path, capsys):  # noqa: F811
     runs = {"stock": ["--fsdp-cpu-offload", "--num-rollout", "2"],
-            "lever": ["--fsdp-cpu-offload", "--adapter-step-on-gpu", "--num-rollout", "2"]}
+            "lever": ["--fsdp-cpu-offload", "--adapter-step-on-gpu", "--pin-adapter-gradients", "--num-rollout", "2"]}
     for name, extra in runs.items():
         rc, out, err = train(small, tmp_path / name, *extra, capsys=capsys)
         assert rc == 0, err[-3000:]
@@ -28,25 +28,29 @@ def test_the_adapter_step_trains_stock_full_offloads_lora_bitwise(small, tmp_pat
     rc, out, err = train(small, tmp_path / "lever", "--fsdp-cpu-offload", "--adapter-step-on-gpu", "--num-rollout", "3",
                          capsys=capsys)
     assert rc == 0 and "resumed" in out, err[-3000:]
+    assert "none: the offloaded shards are not page-locked" in out  # a CPU run pins nothing, and says so
     rc, out, err = train(small, tmp_path / "stock", "--fsdp-cpu-offload", "--num-rollout", "3", capsys=capsys)
     assert rc == 0, err[-3000:]
     s = {n: json.loads((tmp_path / n / "summary.json").read_text()) for n in runs}
     assert s["stock"]["adapter_step"] is None
     assert s["lever"]["adapter_step"]["groups"] >= 1 and s["lever"]["adapter_step"]["steps"] >= 1
     assert s["lever"]["optimizer_device"] == "cpu"  # the CPU run's "device" is the host
+    assert s["lever"]["pinned_adapter_gradients"] == 0
     a, b = lora_of(tmp_path / "stock"), lora_of(tmp_path / "lever")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     ma, mb = _moments(tmp_path / "stock"), _moments(tmp_path / "lever")
     assert ma.keys() == mb.keys() and all(ma[n][k].equal(mb[n][k]) for n in ma for k in ma[n])
 
 
-@pytest.mark.parametrize("extra", [["--adapter-step-on-gpu"],
-                                   ["--fsdp-cpu-offload", "--fsdp-resident-blocks", "1", "--adapter-step-on-gpu"]])
+@pytest.mark.parametrize("extra", [["--adapter-step-on-gpu"], ["--pin-adapter-gradients"],
+                                   ["--fsdp-cpu-offload", "--fsdp-resident-blocks", "1", "--adapter-step-on-gpu"],
+                                   ["--fsdp-cpu-offload", "--fsdp-resident-blocks", "0", "--pin-adapter-gradients"]])
 def test_nothing_to_stream_is_one_error_line_before_any_work(small, tmp_path, capsys, extra):  # noqa: F811
     rc, out, err = train(small, tmp_path / "bad", *extra, capsys=capsys)
     assert rc == 2
     lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("error:") and "--adapter-step-on-gpu" in lines[-1], err
+    flag = next(x for x in extra if x in ("--adapter-step-on-gpu", "--pin-adapter-gradients"))
+    assert lines and lines[-1].startswith("error:") and flag in lines[-1], err
     assert "RESIDENT_BLOCKS=none" in lines[-1]
     assert not (tmp_path / "bad" / "checkpoints").exists()
     assert "clips from" not in out

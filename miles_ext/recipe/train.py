@@ -127,9 +127,12 @@ class H3SFTConfig:
     the 24 GB card's configuration was measured without it."""
     adapter_step_on_gpu: bool = False
     """Under full offload (--fsdp-cpu-offload without --fsdp-resident-blocks): the LoRA adapters' AdamW step runs on
-    the GPU, their parameters, gradients and moments streamed in and out around it, and their gradients reach the host
-    without a wait (miles_ext.levers.adapter_step). Bitwise the all-resident run's step; the host step (torch's CPU
-    AdamW) rounds differently."""
+    the GPU, their parameters, gradients and moments streamed in and out around it (miles_ext.levers.adapter_step).
+    Bitwise the all-resident run's step (the host step, torch's CPU AdamW, rounds differently); no more host memory."""
+    pin_adapter_gradients: bool = False
+    """Under full offload: FSDP2 copies the adapters' gradients to pinned host memory without a wait, so the backward
+    does not stop at every adapter unit (miles_ext.levers.adapter_step.pin_adapter_gradients). Same values; the
+    caching host allocator rounds each pinned gradient to a power of two (+0.3-1.1 GiB of host on the 33 B model)."""
     fsdp_sync_h2d: bool = False
     """With --fsdp-resident-blocks: leave FSDP2's own host-to-device copy on the compute stream (torch at one rank
     does not prefetch it) instead of miles_ext.levers.h2d_prefetch's side-stream copy one block ahead; same values, slower."""
@@ -326,10 +329,12 @@ class H3SFTRecipe(Recipe):
         if cfg.fsdp_prefetch_h2d and not cfg.fsdp_cpu_offload:
             raise UserError("--fsdp-prefetch-h2d streams offloaded blocks ahead of use; without --fsdp-cpu-offload "
                             "nothing is offloaded: add --fsdp-cpu-offload, or drop --fsdp-prefetch-h2d")
-        if cfg.adapter_step_on_gpu and not (cfg.fsdp_cpu_offload and self.resident_value is None):
-            raise UserError("--adapter-step-on-gpu steps the adapters that full offload keeps on the host; here they "
-                            "are on the GPU already: use it with --fsdp-cpu-offload and no --fsdp-resident-blocks "
-                            "(RESIDENT_BLOCKS=none in the launcher), or drop it")
+        for flag, on in (("--adapter-step-on-gpu", cfg.adapter_step_on_gpu),
+                         ("--pin-adapter-gradients", cfg.pin_adapter_gradients)):
+            if on and not (cfg.fsdp_cpu_offload and self.resident_value is None):
+                raise UserError(f"{flag} acts on the adapters that full offload keeps on the host; here they are on "
+                                f"the GPU already: use it with --fsdp-cpu-offload and no --fsdp-resident-blocks "
+                                f"(RESIDENT_BLOCKS=none in the launcher), or drop it")
         if cfg.fsdp_prefetch_h2d and cfg.fsdp_sync_h2d:
             raise UserError("--fsdp-prefetch-h2d and --fsdp-sync-h2d ask for opposite things: keep one")
         if cfg.fsdp_sync_h2d and self.resident_value is None:
@@ -485,20 +490,28 @@ class H3SFTRecipe(Recipe):
         self._print_model()
         self.opt = torch.optim.AdamW(list(self.lora.values()), lr=cfg.lr, betas=(0.9, 0.999), eps=1e-8,
                                      weight_decay=0.0)
-        self.adapter_step = None
-        if cfg.adapter_step_on_gpu:
-            from miles_ext.levers.adapter_step import AdapterStepOnDevice, pin_adapter_gradients
-
-            pinned = pin_adapter_gradients(self.model)
-            self.adapter_step = AdapterStepOnDevice(self.opt, self.device)
-            print(f"onecard: the adapters' AdamW step on {self.device.type}: {len(self.adapter_step.groups)} stream "
-                  f"groups, moments in {self.adapter_step.arena.nbytes / GiB:.2f} GiB of host arena"
-                  + (f", {pinned} gradients copied to pinned memory without a wait" if pinned else ""), flush=True)
+        self._adapter_levers()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.data_gen = torch.Generator().manual_seed(cfg.seed)
         self.orders_drawn = 0
         self.guard = NonFiniteGuard(max_consecutive=cfg.max_nonfinite_skips_in_a_row, say=_say)
+
+    def _adapter_levers(self) -> None:
+        """``--adapter-step-on-gpu`` and ``--pin-adapter-gradients`` (:mod:`miles_ext.levers.adapter_step`); sets
+        :attr:`adapter_step` (``None`` when off) and :attr:`pinned_adapter_gradients`."""
+        from miles_ext.levers.adapter_step import AdapterStepOnDevice, pin_adapter_gradients
+
+        cfg = self.cfg
+        self.adapter_step = AdapterStepOnDevice(self.opt, self.device) if cfg.adapter_step_on_gpu else None
+        self.pinned_adapter_gradients = pin_adapter_gradients(self.model) if cfg.pin_adapter_gradients else 0
+        if self.adapter_step is not None:
+            print(f"onecard: the adapters' AdamW step on {self.device.type}: {len(self.adapter_step.groups)} stream "
+                  f"groups, moments in {self.adapter_step.arena.nbytes / GiB:.2f} GiB of host arena", flush=True)
+        if cfg.pin_adapter_gradients:
+            print(f"onecard: {self.pinned_adapter_gradients} adapter gradients copied to pinned host memory without a "
+                  "wait" + ("" if self.pinned_adapter_gradients else " (none: the offloaded shards are not "
+                                                                       "page-locked on this machine)"), flush=True)
 
     def _check_batch(self) -> None:
         """The master dtype and the batch schedule; :class:`UserError` naming the fix otherwise."""
@@ -805,6 +818,7 @@ class H3SFTRecipe(Recipe):
             adapter_step=(dict(groups=len(self.adapter_step.groups), **self.adapter_step.stats,
                                pinned_moment_bytes=self.adapter_step.pinned_bytes)
                           if getattr(self, "adapter_step", None) is not None else None),
+            pinned_adapter_gradients=getattr(self, "pinned_adapter_gradients", 0),
             init_s=self.init_s,
             data=self.data_info,
             deterministic_mode=bool(cfg.deterministic_mode),
