@@ -379,7 +379,8 @@ def run_one(mode: str, clip: str, a: argparse.Namespace) -> dict:
             "gpu_reserved_peak_gib": torch.cuda.max_memory_reserved(device) / GiB if cuda else 0.0,
             "recompute_block_inputs": recompute, "recomputed_forwards": lever.recomputed if lever else 0,
             "lockstep": a.lockstep, "lockstep_deferred": lock.deferred if lock else 0,
-            "adapter_step": stepper is not None, "pinned_adapter_gradients": pinned_grads,
+            "adapter_step": stepper is not None, "pin_adapter_gradients": a.pin_adapter_gradients,
+            "pinned_adapter_gradients": pinned_grads,
             "h2d_bytes_counted_per_step": gathered.bytes // max(1, len(times)),
             "optimizer_step_s": median(opt_times[1:]) if len(opt_times) > 1 else None,
             "preset": preset.name, "model_tflop_per_step": flop / 1e12,
@@ -465,6 +466,8 @@ def table(results: list[dict]) -> str:
             mode += " (adapters late)"
         if r.get("lockstep", 1) > 1:
             mode += f" (lockstep {r['lockstep']})"
+        if r.get("adapter_step"):
+            mode += " (adapter step" + (", pinned gradients)" if r.get("pin_adapter_gradients") else ")")
         blocks = "none" if r["mode"] == "offload" else r["resident_blocks"]
         predicted = "" if r.get("predicted_peak_gib") is None else f" ({r['predicted_peak_gib']:.1f})"
         rows.append(f"| {r['clip']} | {mode} | {cap(r)} | {blocks} | {r.get('recompute_block_inputs', 0)} | "

@@ -39,6 +39,8 @@ def test_smoke_runs_every_mode_and_reports(tmp_path):
     for r in results:  # the PCIe floor: the offloaded shards twice per micro-batch; no bandwidth on the CPU
         assert r["cap_gib"] is None and r["h2d_gb_s"] is None and r["pcie_floor_s"] is None
         assert r["h2d_bytes_per_step"] == r["pinned_requested_bytes"] * 2 * 2
+        # the bytes gathered in the timed step, counted at each offloaded unit's gather: the model's, on the CPU too
+        assert r["h2d_bytes_counted_per_step"] == r["h2d_bytes_per_step"]
 
 
 def test_bad_arguments_are_one_error_line():
@@ -257,9 +259,11 @@ def test_the_allocator_setting_defaults_and_a_given_one_is_kept(monkeypatch):
     (["--print-commands", "--modes", "offload", "--late-adapters"], "add --prefetch-h2d"),
     (["--print-commands", "--modes", "offload", "--lockstep", "0"], "micro-batches per lockstep group"),
     (["--print-commands", "--modes", "offload", "--lockstep", "2", "--recompute-inputs", "1"], "do not combine"),
+    (["--print-commands", "--modes", "partial", "--adapter-step"], "--adapter-step acts on the adapters full offload"),
+    (["--print-commands", "--modes", "offload,resident", "--pin-adapter-gradients"], "use --modes offload with it"),
 ], ids=["auto-not-only-offload", "more-than-25", "more-than-tiny", "huge", "word", "budget-without-partial",
         "cap-over-1024", "resident-huge", "resident-none", "late-without-prefetch", "lockstep-0",
-        "lockstep-with-recompute"])
+        "lockstep-with-recompute", "adapter-step-partial", "pin-gradients-resident"])
 def test_bad_recompute_and_budget_arguments_are_one_error_line(tmp_path, args, needle):
     out = _bench(*args, "--out", str(tmp_path / "out"))
     lines = out.stderr.strip().splitlines()
@@ -295,3 +299,19 @@ def test_model_flops_count_the_blocks_attention_and_mlp_weights_of_diffusers_h3(
     assert bench.model_flop_per_micro_batch(FULL, 1) == 50 * (4 * 385_351_680 + 12 * 7168)
     assert bench.mfu(989e12, 1.0) == 1.0 and bench.mfu(989e12, 2.0, peak_tflops=989.0) == 0.5
     assert bench.mfu(1.0, None) is None and bench.mfu(1.0, 0.0) is None
+
+
+def test_adapter_step_rows_stream_the_step_and_count_what_a_lockstep_step_gathers(tmp_path):
+    """``--adapter-step --pin-adapter-gradients --lockstep 2`` on the CPU smoke: the row says the step is streamed on
+    its device (the host, here) and pins nothing (no page-locked shards on the CPU); the bytes counted in the timed
+    step are one gather per unit per lockstep group (half the sequential step's); the flags reach the printed commands."""
+    out = _bench("--smoke", "--modes", "offload", "--lora-rank", "4", "--adapter-step", "--pin-adapter-gradients",
+                 "--lockstep", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    (r,) = json.loads((tmp_path / "h3_1gpu.json").read_text())
+    assert r["adapter_step"] is True and r["optimizer_device"] == "cpu (streamed)" and r["pinned_adapter_gradients"] == 0
+    assert r["h2d_bytes_counted_per_step"] == r["h2d_bytes_per_step"] == r["pinned_requested_bytes"] * 2
+    cmds = _bench("--print-commands", "--modes", "offload", "--clips", "17x320x192", "--adapter-step",
+                  "--pin-adapter-gradients")
+    runs = [x for x in cmds.stdout.splitlines() if "--modes" in x]
+    assert runs and all("--adapter-step" in x and "--pin-adapter-gradients" in x for x in runs)

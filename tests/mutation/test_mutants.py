@@ -29,6 +29,8 @@ README_PLANTED_BUGS = {
     "lockstep: a block resharded after every micro-batch's forward", "lockstep: gradients summed by autograd",
     "lockstep: settings not restored after a failure", "lockstep: losses out of order", "missing stream wait",
     "lockstep: the backward started at the caller's losses",
+    "adapter step: a moment streamed through bf16", "adapter step: a parameter not written back",
+    "adapter step: a stream group skipped", "adapter step: missing stream wait",
 }
 SURVIVOR_KINDS = {  # what survived a mutation run before the independent anchors existed
     "EMA update rule", "trainer beta(iteration - 1)", "resume loses the EMA counter",
