@@ -467,7 +467,10 @@ def table(results: list[dict]) -> str:
         if r.get("lockstep", 1) > 1:
             mode += f" (lockstep {r['lockstep']})"
         if r.get("adapter_step"):
-            mode += " (adapter step" + (", pinned gradients)" if r.get("pin_adapter_gradients") else ")")
+            mode += " (adapter step)"
+        pinned = r.get("pinned_adapter_gradients")  # how many; rows before it was counted carry only the flag
+        if pinned or (pinned is None and r.get("pin_adapter_gradients")):
+            mode += " (pinned gradients)"
         blocks = "none" if r["mode"] == "offload" else r["resident_blocks"]
         predicted = "" if r.get("predicted_peak_gib") is None else f" ({r['predicted_peak_gib']:.1f})"
         rows.append(f"| {r['clip']} | {mode} | {cap(r)} | {blocks} | {r.get('recompute_block_inputs', 0)} | "
@@ -532,11 +535,14 @@ def gpu_commands(modes: list[str], clips: list[str], probe: bool, a: argparse.Na
             tag += "_sync" if sync else ""
         if m == "offload" and pre:
             extra, tag = pre, tag + ("_prefetch_late" if a.late_adapters else "_prefetch")
+        if m == "offload":
+            tag += ("_adapterstep" if a.adapter_step else "") + ("_pinnedgrads" if a.pin_adapter_gradients else "")
         cmds.append(f"ulimit -l unlimited; python benchmarks/h3_1gpu.py --modes {m} --clips {c} {opts}{extra} "
                     f"--timeout-s {CHILD_TIMEOUT_S} --out {shlex.quote(f'{out}/{tag}')}")
     if not a.cap_gib and "offload" in modes and a.lockstep == 1:  # the 24 GB card: full offload at the recipe's clip under its cap,
         given = f"_recompute{recompute}" if recompute not in ("0", "none", "") else ""
         ptag = ("_prefetch_late" if a.late_adapters else "_prefetch") if pre else ""
+        ptag += ("_adapterstep" if a.adapter_step else "") + ("_pinnedgrads" if a.pin_adapter_gradients else "")
         for r, tag in (("", given), (" --recompute-inputs auto", "_recomputeauto")):  # plain, then with the lever
             if r and given:
                 continue  # --recompute-inputs already in opts

@@ -315,3 +315,10 @@ def test_adapter_step_rows_stream_the_step_and_count_what_a_lockstep_step_gather
                   "--pin-adapter-gradients")
     runs = [x for x in cmds.stdout.splitlines() if "--modes" in x]
     assert runs and all("--adapter-step" in x and "--pin-adapter-gradients" in x for x in runs)
+    assert all(x.endswith("_adapterstep_pinnedgrads") for x in runs), runs  # folders of their own, not the baseline's
+    # the table's mode says which adapter levers ran; "pinned" only where gradients were pinned (none on the CPU)
+    row = next(x for x in (tmp_path / "h3_1gpu.md").read_text().splitlines() if x.startswith("| 9x16x16"))
+    assert "(adapter step)" in row and "pinned" not in row
+    bench = _module()
+    assert "(pinned gradients)" in bench.table([{**r, "pinned_adapter_gradients": 12}])
+    assert "(pinned gradients)" in bench.table([{**r, "pin_adapter_gradients": True, "pinned_adapter_gradients": None}])

@@ -37,6 +37,7 @@ def test_the_adapter_step_trains_stock_full_offloads_lora_bitwise(small, tmp_pat
     assert s["lever"]["adapter_step"]["groups"] >= 1 and s["lever"]["adapter_step"]["steps"] >= 1
     assert s["lever"]["optimizer_device"] == "cpu"  # the CPU run's "device" is the host
     assert s["lever"]["pinned_adapter_gradients"] == 0
+    assert s["lever"]["adapter_step"]["pinned_moment_bytes"] == 0  # nothing is page-locked without CUDA
     a, b = _last(tmp_path / "stock")["lora"], _last(tmp_path / "lever")["lora"]
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert any(not a[k].equal(lora_of(tmp_path / "stock")[k]) for k in a)  # rollouts 2 and 3 moved the adapters
@@ -56,3 +57,16 @@ def test_nothing_to_stream_is_one_error_line_before_any_work(small, tmp_path, ca
     assert "RESIDENT_BLOCKS=none" in lines[-1]
     assert not (tmp_path / "bad" / "checkpoints").exists()
     assert "clips from" not in out
+
+
+@pytest.mark.parametrize("short", ["--adapter", "--pin", "--fsdp-resident"])
+def test_abbreviated_flags_are_refused(small, tmp_path, capsys, short):  # noqa: F811
+    """argparse's prefix matching is off: ``--fsdp-resident none`` would pass for ``--fsdp-resident-blocks`` and slip
+    past the launcher's check of RESIDENT_BLOCKS given twice."""
+    extra = ["--fsdp-cpu-offload", short] + (["none"] if short == "--fsdp-resident" else [])
+    with pytest.raises(SystemExit) as e:  # argparse's refusal, in one line (patches.core.errors.ArgumentParser)
+        train(small, tmp_path / "bad", *extra)
+    rc, err = e.value.code, capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and lines[-1].startswith("error:") and short in lines[-1], err
+    assert not (tmp_path / "bad").exists()

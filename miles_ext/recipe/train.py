@@ -332,9 +332,10 @@ class H3SFTRecipe(Recipe):
         for flag, on in (("--adapter-step-on-gpu", cfg.adapter_step_on_gpu),
                          ("--pin-adapter-gradients", cfg.pin_adapter_gradients)):
             if on and not (cfg.fsdp_cpu_offload and self.resident_value is None):
-                raise UserError(f"{flag} acts on the adapters that full offload keeps on the host; here they are on "
-                                f"the GPU already: use it with --fsdp-cpu-offload and no --fsdp-resident-blocks "
-                                f"(RESIDENT_BLOCKS=none in the launcher), or drop it")
+                raise UserError(f"{flag} acts on the adapters that full offload keeps on the host; here they stay on "
+                                f"the compute device with their AdamW (no --fsdp-cpu-offload, or --fsdp-resident-blocks "
+                                f"given): add --fsdp-cpu-offload without --fsdp-resident-blocks (on a GPU the launcher "
+                                f"does that with RESIDENT_BLOCKS=none), or drop {flag}")
         if cfg.fsdp_prefetch_h2d and cfg.fsdp_sync_h2d:
             raise UserError("--fsdp-prefetch-h2d and --fsdp-sync-h2d ask for opposite things: keep one")
         if cfg.fsdp_sync_h2d and self.resident_value is None:
@@ -837,7 +838,8 @@ def _say(line: str) -> None:
 # ---------------------------------------------------------------------------------------- entry point
 def parse_args(argv: list[str] | None = None) -> H3SFTConfig:
     """The command line as an :class:`H3SFTConfig` (flags built from its fields)."""
-    ap = ArgumentParser(prog="python -m miles_ext.recipe.train", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m miles_ext.recipe.train", description=__doc__.split("\n\n")[0],
+                        allow_abbrev=False)  # "--fsdp-resident" must not pass for --fsdp-resident-blocks
     add_arguments(ap, H3SFTConfig)
     return from_namespace(H3SFTConfig, ap.parse_args(argv))
 

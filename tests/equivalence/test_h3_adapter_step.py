@@ -121,6 +121,13 @@ def _train(model, opt, steps: list, pairs, device) -> None:
         train_step(model, opt, slots, pairs, seed=3, max_grad_norm=0.05, device=device)
 
 
+def _layout(opt, name_of) -> dict:
+    from patches.core.runtime import to_local
+
+    return {name_of[id(p)]: [(k, type(v).__name__, v.dtype, tuple(v.shape), to_local(v).device.type, v.requires_grad)
+                             for k, v in st.items()] for p, st in opt.state.items()}
+
+
 def run(*, mode: str = "offload", lever: bool = False, group_bytes: int = SOME_GROUPS, bug: str = "", device=None,
         mesh=None, resume_after: int | None = None) -> dict:
     """Train :data:`STEPS` steps; adapters, moments, step counts and the state's layout after, and the checkpoint's
@@ -150,14 +157,16 @@ def run(*, mode: str = "offload", lever: bool = False, group_bytes: int = SOME_G
                 for k, p in lora.items():
                     to_local(p).copy_(saved["lora"][k])
             load_host_state(model, opt, lora, saved["optimizer"])
+            loaded = _layout(opt, {id(p): n for n, p in lora.items()})
             _train(model, opt, schedule[cut:], pairs, device)
         name_of = {id(p): n for n, p in lora.items()}
         out = {"weights": {n: _full(p) for n, p in lora.items()},
                "moments": {name_of[id(p)]: {k: _full(v) for k, v in st.items() if k != "step"}
                            for p, st in opt.state.items()},
                "steps": {name_of[id(p)]: float(st["step"]) for p, st in opt.state.items()},
-               "layout": {name_of[id(p)]: [(k, type(v).__name__, v.dtype, tuple(v.shape), to_local(v).device.type)
-                                           for k, v in st.items()] for p, st in opt.state.items()}}
+               "layout": _layout(opt, name_of)}
+        if resume_after is not None:
+            out["layout_after_load"] = loaded
         full, optimizer = host_full_state(model, opt, lora)
         out["checkpoint"] = {n: [(k, type(v).__name__, v.dtype, tuple(v.shape)) for k, v in st.items()]
                              for n, st in optimizer["state"].items()}
@@ -213,6 +222,9 @@ def test_the_state_keeps_the_stock_layout_in_the_arena(results):
         assert results[name]["in_arena"], name
     assert all(kinds[1][1] == "DTensor" and kinds[0][0] == "step" for kinds in results["stock"]["layout"].values())
     assert results["some"]["pinned_grads"] == 0
+    # a load puts the moments into the arena as the same DTensors at once (before any step re-wraps them)
+    assert results["resumed"]["layout_after_load"] == results["stock"]["layout"]
+    assert not any(kind[-1] for kinds in results["some"]["layout"].values() for kind in kinds)  # no state needs grad
 
 
 def test_a_save_and_a_resume_continue_bitwise(results):
@@ -300,3 +312,89 @@ def test_cuda_the_backward_makes_no_synchronous_gradient_copy(cuda_results):
 @needs_cuda
 def test_cuda_planted_missing_stream_wait_is_caught(cuda_results):
     assert not _same(cuda_results["missing_wait"], cuda_results["resident"])
+
+
+# ------------------------------------------------------------------------ plain tensors, in this process (no FSDP)
+def _plain(*, lever: bool, group_bytes: int = 1 << 20, steps: int = 3, hook_calls: list | None = None):
+    """Five host parameters in two param groups (amsgrad and lr 1e-2 in the first; lr 3e-3 and weight decay 0.1 in the
+    second), 3 steps of seeded gradients, the middle parameter of the first group without a gradient at step 2; stock
+    ``AdamW`` (the independent anchor) or the lever stepping the same optimizer class on the "device" (the host)."""
+    from miles_ext.levers.adapter_step import AdapterStepOnDevice
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in ((3, 4), (5,), (2, 2), (7, 3), (4,))]
+    opt = torch.optim.AdamW([{"params": ps[:3], "lr": 1e-2, "amsgrad": True},
+                             {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.1}], betas=(0.9, 0.95))
+    if hook_calls is not None:
+        opt.register_step_pre_hook(lambda *args: hook_calls.append(1))
+    stepper = AdapterStepOnDevice(opt, "cpu", group_bytes=group_bytes) if lever else None
+    for s in range(steps):
+        g = torch.Generator().manual_seed(s)
+        for i, p in enumerate(ps):
+            p.grad = None if (i == 1 and s == 1) else torch.randn(p.shape, generator=g)
+        opt.step()
+    state = {i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(ps)}
+    return [p.detach().clone() for p in ps], state, stepper
+
+
+@pytest.mark.parametrize("group_bytes", [1, 1 << 20], ids=["one-parameter-groups", "one-group-per-param-group"])
+def test_plain_parameters_param_groups_amsgrad_and_a_missing_gradient_step_as_stock(group_bytes):
+    """Each param group steps with its own hyper-parameters, amsgrad's third moment streams with the others, a
+    parameter without a gradient in the middle of a stream group is skipped as stock skips it (its step count too)."""
+    ref_w, ref_s, _ = _plain(lever=False)
+    got_w, got_s, stepper = _plain(lever=True, group_bytes=group_bytes)
+    assert all(torch.equal(a, b) for a, b in zip(ref_w, got_w))
+    assert ref_s.keys() == got_s.keys() and ref_s[1]["step"] == 2 and ref_s[0]["step"] == 3
+    for i in ref_s:
+        assert list(ref_s[i]) == list(got_s[i]) and all(torch.equal(ref_s[i][k], got_s[i][k]) for k in ref_s[i]), i
+    assert "max_exp_avg_sq" in got_s[0] and "max_exp_avg_sq" not in got_s[3]
+    assert [g.group_index for g in stepper.groups] == ([0, 0, 0, 1, 1] if group_bytes == 1 else [0, 1])
+
+
+def test_stream_groups_are_cut_where_the_next_parameter_would_pass_the_budget():
+    """Group bytes count the parameter, its gradient and its moments (fp32: 4 x 4 bytes per value; 5 with amsgrad); a
+    group exactly at the budget is kept whole."""
+    from miles_ext.levers.adapter_step import AdapterStepOnDevice
+
+    ps = [torch.nn.Parameter(torch.zeros(n)) for n in (4, 4, 8)]
+    opt = torch.optim.AdamW(ps)
+    stepper = AdapterStepOnDevice(opt, "cpu", group_bytes=128)  # 4 values x 4 bytes x (param, grad, 2 moments) = 64
+    assert [[p.numel() for p in g.params] for g in stepper.groups] == [[4, 4], [8]]
+    assert [g.nbytes for g in stepper.groups] == [128, 128]
+
+
+@pytest.mark.parametrize("setting", [dict(fused=True), dict(capturable=True), dict(foreach=True)])
+def test_fused_and_capturable_are_refused_foreach_is_stepped(setting):
+    from miles_ext.levers.adapter_step import AdapterStepOnDevice
+    from patches.core.errors import UserError
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], **setting)
+    if "foreach" in setting:
+        AdapterStepOnDevice(opt, "cpu")
+        return
+    with pytest.raises(UserError, match="fused and capturable keep their state"):
+        AdapterStepOnDevice(opt, "cpu")
+
+
+def test_a_failing_step_leaves_the_param_groups_as_they_were():
+    from miles_ext.levers.adapter_step import AdapterStepOnDevice
+
+    ps = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    opt = torch.optim.AdamW(ps)
+    stepper = AdapterStepOnDevice(opt, "cpu", group_bytes=1)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+
+    def boom(optimizer):
+        raise RuntimeError("planted failure in the step")
+
+    stepper._raw_step = boom
+    with pytest.raises(RuntimeError, match="planted failure"):
+        opt.step()
+    assert opt.param_groups[0]["params"] == ps and all(a is b for a, b in zip(opt.param_groups[0]["params"], ps))
+
+
+def test_step_hooks_run_once_per_optimizer_step_not_per_stream_group():
+    calls: list = []
+    _, _, stepper = _plain(lever=True, group_bytes=1, hook_calls=calls)
+    assert len(stepper.groups) == 5 and len(calls) == 3

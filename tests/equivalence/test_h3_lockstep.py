@@ -453,3 +453,37 @@ def test_cuda_a_fresh_caller_thread_gathers_each_unit_once_per_group(cuda_result
     got, ref = cuda_results["fresh_prefetch"], cuda_results[("offload_prefetch", 1)]
     assert got["gathers"] == [2 * STEPS] * len(got["gathers"])
     assert _equal(got["grads"], ref["grads"]) and _equal(got["weights"], ref["weights"])
+
+
+def test_a_result_without_gradient_and_a_loss_left_out_do_not_reach_the_backward():
+    """In this process, no FSDP: of two lockstep micro-batches the first returns its loss sum, the second a number that
+    needs no gradient (a metric); and a run of two losses backpropagated through the first alone. Both backward passes
+    start at what needs them and give the gradients of a plain backward of the same loss, bitwise."""
+    from miles_ext.levers.lockstep import Lockstep
+    from miles_ext.levers.lora import lora_parameters
+    from miles_ext.recipe.sft import draw_micro_batch, micro_batch_loss_sum
+    from tests.equivalence.h3_tiny_run import make_lora_model, synthetic_pairs
+
+    pairs = synthetic_pairs(2, _preset())
+    model = make_lora_model(_preset())
+    model.train()
+    lora = lora_parameters(model)
+
+    def loss(k):
+        return micro_batch_loss_sum(model, draw_micro_batch([pairs[k]], seed=3, rollout_id=0, microbatch_id=k, dp_rank=0))
+
+    def grads():
+        out = {n: p.grad.clone() for n, p in lora.items() if p.grad is not None}
+        for p in lora.values():
+            p.grad = None
+        return out
+
+    (loss(0) / 2.0).backward()
+    ref = grads()
+    lever = Lockstep(model, 2)
+    first, metric = lever.run([lambda: loss(0), lambda: torch.tensor(1.5)])
+    lever.backward([first / 2.0])
+    assert float(metric) == 1.5 and _equal(grads(), ref)
+    first, second = lever.run([lambda: loss(0), lambda: loss(1)])
+    lever.backward([first / 2.0])  # the second micro-batch's result is not used by the losses
+    assert _equal(grads(), ref)
