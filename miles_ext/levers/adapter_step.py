@@ -118,7 +118,7 @@ class AdapterStepOnDevice:
 
     Attributes:
         groups: the stream groups in step order; ``arena``: the moments' host arena; ``stats``: ``steps``,
-        ``h2d_bytes``, ``d2h_bytes`` (the last step's and totals are not kept apart: totals).
+        ``h2d_bytes``, ``d2h_bytes`` (totals over the run).
 
     Raises:
         UserError: another optimizer class, ``fused``/``capturable``, or parameters not on the host.
