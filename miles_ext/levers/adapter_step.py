@@ -240,6 +240,20 @@ class AdapterStepOnDevice:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    def _used_by_compute(self, fetched: list[tuple[torch.Tensor, dict]]) -> None:
+        """Mark every device copy of a group as used by the compute stream. They were allocated on the copy stream, so
+        without this the caching allocator hands a freed one (a gradient, dropped as soon as its step is queued) to the
+        next group's copies on that stream while the step may still be reading it."""
+        if self._h2d is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for d, state in fetched:
+            if d is None:
+                continue
+            for t in (d, d.grad, *(state.get(k) for k in self.keys)):
+                if t is not None:
+                    t.record_stream(compute)
+
     def _step(self, group: StepGroup, fetched: list[tuple[torch.Tensor, dict]]) -> None:
         """The optimizer class's own ``step`` (raw, no hooks) on the device copies standing in for ``group``'s
         parameters, with their states and ``group``'s param group hyper-parameters."""
@@ -295,6 +309,7 @@ class AdapterStepOnDevice:
             if i + 1 < len(todo):  # the next group's copies overlap this group's step
                 nxt = self._fetch(todo[i + 1])
             self._wait(event)
+            self._used_by_compute(fetched)
             self._step(group, fetched)
             self._write_back(group, fetched)
             del fetched

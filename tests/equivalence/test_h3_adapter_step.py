@@ -76,6 +76,24 @@ def _plant(bug: str):
         real_plan = cls._plan
         cls._plan = lambda self, group_bytes: real_plan(self, group_bytes)[:-1]
         return lambda: setattr(cls, "_plan", real_plan)
+    if bug == "slow_step":  # each group's step held back on the compute stream (a correct lever waits for it)
+        real_step = cls._step
+
+        def slow_step(self, group, fetched):
+            torch.cuda._sleep(20_000_000)
+            return real_step(self, group, fetched)
+
+        cls._step = slow_step
+        return lambda: setattr(cls, "_step", real_step)
+    if bug == "slow_step_unmarked":  # the same with the device copies not marked as used by the compute stream
+        real_step, real_mark = cls._step, cls._used_by_compute
+
+        def slow_step2(self, group, fetched):
+            torch.cuda._sleep(20_000_000)
+            return real_step(self, group, fetched)
+
+        cls._step, cls._used_by_compute = slow_step2, (lambda self, fetched: None)
+        return lambda: (setattr(cls, "_step", real_step), setattr(cls, "_used_by_compute", real_mark))
     if bug == "missing_wait":
         real_wait, real_in = cls._wait, cls._copy_in
 
@@ -275,7 +293,9 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
     torch.use_deterministic_algorithms(True)
     res = {"resident": run(mode="resident", device="cuda"), "stock": run(device="cuda"),
            "lever": run(lever=True, device="cuda"), "one": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda"),
-           "missing_wait": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda", bug="missing_wait")}
+           "missing_wait": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda", bug="missing_wait"),
+           "slow_step": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda", bug="slow_step"),
+           "slow_step_unmarked": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda", bug="slow_step_unmarked")}
     pairs = synthetic_pairs(MICRO, _preset())
     schedule = pair_schedule(MICRO, 1, 1, 1)[:1]
     for name, lever in (("sync_copies_stock", False), ("sync_copies_lever", True)):
@@ -307,6 +327,15 @@ def test_cuda_the_backward_makes_no_synchronous_gradient_copy(cuda_results):
     """With the gradients pinned the first micro-batch's copies do not wait (the second adds into them, as FSDP2
     does: one synchronous copy per unit instead of two)."""
     assert cuda_results["sync_copies_lever"] < cuda_results["sync_copies_stock"]
+
+
+@needs_cuda
+def test_cuda_a_slow_step_reads_its_own_groups_copies(cuda_results):
+    """Each group's step held back on the compute stream while the next groups' copies run ahead on theirs: the values
+    are still the all-resident run's (the device copies are marked as used by the compute stream, so a freed gradient
+    is not handed to a later group's copy while the step reads it); without the mark they are not."""
+    assert _same(cuda_results["slow_step"], cuda_results["resident"])
+    assert not _same(cuda_results["slow_step_unmarked"], cuda_results["resident"])
 
 
 @needs_cuda
