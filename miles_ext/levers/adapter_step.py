@@ -25,7 +25,8 @@ starve behind them).
   copies of them (plain tensors standing in for the parameters, with the parameters' ``step`` counters and
   hyper-parameters: the kernel torch picks for tensors on that device, the one an all-resident run's AdamW uses), and
   the new parameters and moments are copied back to the host shards and to a page-locked arena on a second side
-  stream. ``optimizer.step()`` returns once every copy has landed.
+  stream. The device copies are marked as used by the compute stream (they are allocated on the copy stream, and a
+  gradient is dropped as soon as its step is queued). ``optimizer.step()`` returns once every copy has landed.
 
 Between steps the moments live in ONE exact-size page-locked :class:`patches.core.host_arena.HostArena` (2.77 GB at
 rank 64 on the 33 B model, what the stock host moments take, now pinned), wrapped as DTensors like the parameters, so
