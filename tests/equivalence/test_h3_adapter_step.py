@@ -76,23 +76,16 @@ def _plant(bug: str):
         real_plan = cls._plan
         cls._plan = lambda self, group_bytes: real_plan(self, group_bytes)[:-1]
         return lambda: setattr(cls, "_plan", real_plan)
-    if bug == "slow_step":  # each group's step held back on the compute stream (a correct lever waits for it)
-        real_step = cls._step
+    if bug in ("slow_step", "slow_step_unmarked"):  # each group's step held back on the compute stream
+        real_step, real_mark = cls._step, cls._used_by_compute
 
         def slow_step(self, group, fetched):
             torch.cuda._sleep(20_000_000)
             return real_step(self, group, fetched)
 
         cls._step = slow_step
-        return lambda: setattr(cls, "_step", real_step)
-    if bug == "slow_step_unmarked":  # the same with the device copies not marked as used by the compute stream
-        real_step, real_mark = cls._step, cls._used_by_compute
-
-        def slow_step2(self, group, fetched):
-            torch.cuda._sleep(20_000_000)
-            return real_step(self, group, fetched)
-
-        cls._step, cls._used_by_compute = slow_step2, (lambda self, fetched: None)
+        if bug == "slow_step_unmarked":  # ... and the device copies not marked as used by the compute stream
+            cls._used_by_compute = lambda self, fetched: None
         return lambda: (setattr(cls, "_step", real_step), setattr(cls, "_used_by_compute", real_mark))
     if bug == "missing_wait":
         real_wait, real_in = cls._wait, cls._copy_in
@@ -120,12 +113,9 @@ def _build(*, mode: str, lever: bool, group_bytes: int, device, mesh):
                 adapters_on_device=mode == "resident")
     lora = lora_parameters(model)
     opt = torch.optim.AdamW(list(lora.values()), **OPTIM)
-    step = None
-    if lever:
-        pinned = pin_adapter_gradients(model)
-        step = AdapterStepOnDevice(opt, device, group_bytes=group_bytes)
-        step.pinned_grads = pinned
-    return model, lora, opt, step
+    pinned = pin_adapter_gradients(model) if lever else 0
+    step = AdapterStepOnDevice(opt, device, group_bytes=group_bytes) if lever else None
+    return model, lora, opt, step, pinned
 
 
 def _full(t):
@@ -161,7 +151,7 @@ def run(*, mode: str = "offload", lever: bool = False, group_bytes: int = SOME_G
     try:
         pairs = synthetic_pairs(MICRO * STEPS, _preset())
         schedule = pair_schedule(MICRO, 1, STEPS, 1)[:STEPS]
-        model, lora, opt, step = _build(mode=mode, lever=lever, group_bytes=group_bytes, device=dev, mesh=mesh)
+        model, lora, opt, step, pinned = _build(mode=mode, lever=lever, group_bytes=group_bytes, device=dev, mesh=mesh)
         cut = STEPS if resume_after is None else resume_after
         _train(model, opt, schedule[:cut], pairs, device)
         if resume_after is not None:
@@ -170,7 +160,8 @@ def run(*, mode: str = "offload", lever: bool = False, group_bytes: int = SOME_G
             torch.save({"lora": full, "optimizer": optimizer}, buf)
             buf.seek(0)
             saved = torch.load(buf, weights_only=False)
-            model, lora, opt, step = _build(mode=mode, lever=lever, group_bytes=group_bytes, device=dev, mesh=mesh)
+            model, lora, opt, step, pinned = _build(mode=mode, lever=lever, group_bytes=group_bytes, device=dev,
+                                                    mesh=mesh)
             with torch.no_grad():
                 for k, p in lora.items():
                     to_local(p).copy_(saved["lora"][k])
@@ -194,7 +185,7 @@ def run(*, mode: str = "offload", lever: bool = False, group_bytes: int = SOME_G
             out["in_arena"] = all(lo <= to_local(v).data_ptr() < hi for st in opt.state.values()
                                   for k, v in st.items() if k != "step")
             out["groups"], out["stats"] = len(step.groups), dict(step.stats)
-            out["pinned_grads"] = step.pinned_grads
+            out["pinned_grads"] = pinned
         return out
     finally:
         undo()
@@ -299,7 +290,7 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
     pairs = synthetic_pairs(MICRO, _preset())
     schedule = pair_schedule(MICRO, 1, 1, 1)[:1]
     for name, lever in (("sync_copies_stock", False), ("sync_copies_lever", True)):
-        model, _, opt, _ = _build(mode="offload", lever=lever, group_bytes=SOME_GROUPS, device=torch.device("cuda"),
+        model, _, opt, _, _ = _build(mode="offload", lever=lever, group_bytes=SOME_GROUPS, device=torch.device("cuda"),
                                   mesh=None)
         res[name] = _sync_grad_copies(model, opt, pairs, schedule)
     torch.save(res, Path(out_dir) / "cuda.pt")
