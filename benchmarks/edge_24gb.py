@@ -19,8 +19,10 @@ process (``--only`` picks some, ``--list`` names them all):
    AdamW moments in pinned host memory, streamed to the GPU for the optimizer step only).
 
 Optional (``--only``): ``all levers + optimizer-state streaming + selective AC`` (also
-``[model.activation_checkpointing] mode = "selective"``: the attention outputs kept, not recomputed),
-``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
+``[model.activation_checkpointing] mode = "selective"``: the attention outputs kept, not recomputed); the same
+``+ fewer checkpointed layers`` (``[onecard] checkpoint_layers``: ``--checkpoint-layers``, default ``"auto"``);
+``12 GB card: all levers + optimizer-state streaming + lookup tables on the host`` (``[onecard] host_embeddings``,
+full checkpointing, its own cap of 11.0 GiB); ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
 Configurations 4 and 5 need the trainer's packed-attention setting (``[onecard] attention = "flex"``, or
 ``[model.attention] impl``: ``ATTENTION_PLACES``); a trainer whose schema has neither reports them as
@@ -123,6 +125,12 @@ class Config:
     """``[model.compile] enabled``."""
     selective: bool = False
     """``[model.activation_checkpointing] mode = "selective"``, keeping the attention outputs (:data:`SELECTIVE_OPS`)."""
+    checkpoint_layers: str = ""
+    """``[onecard] checkpoint_layers`` to set (empty: the trainer's default, every layer)."""
+    host_embeddings: bool = False
+    """``[onecard] host_embeddings = true``."""
+    cap_gib: float | None = None
+    """This row's card cap in GiB instead of ``--budget-gib`` (a smaller card)."""
 
 
 PROFILED = " (profiled)"
@@ -138,11 +146,19 @@ CONFIGS = [
     Config("all levers + optimizer-state streaming", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
            attention=ATTENTION_FLEX, compile=True),
 ]
+TWELVE_GB_CAP_GIB = 11.0
+"""The 12 GB card's cap (an RTX 3060/4070 class card's usable memory, GiB)."""
 SELECTIVE_OPS = ["fmha", "flex_attention", "scaled_dot_product"]
 """``save_ops_regex`` of the selective rows: upstream's default plus the embedded trainer's attention ops."""
 OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
            attention=ATTENTION_FLEX, compile=True, selective=True),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers",
+           {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True, selective=True,
+           checkpoint_layers="auto"),
+    Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
+           {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
+           host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
     Config("stock", OFF, True),
     Config("EMA lever", {EMA: "1", VAE: "0", CACHE: "0", OPT: "0"}, True),
     Config("VAE lever", {EMA: "0", VAE: "1", CACHE: "0", OPT: "0"}, True),
@@ -241,9 +257,10 @@ def save_host(s: dict) -> dict:
     return out
 
 
-def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path) -> Path:
-    """``edge_24gb.toml`` with this configuration's grad_accum_iter, compile and attention settings (and the same
-    values for the CPU smoke's ``cpu_*`` keys)."""
+def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint_layers: str = "") -> Path:
+    """``edge_24gb.toml`` with this configuration's grad_accum_iter, compile, attention, checkpointed-layer and
+    lookup-table settings (and the same values for the CPU smoke's ``cpu_*`` keys); ``checkpoint_layers`` (the
+    ``--checkpoint-layers`` override) replaces the row's own where the row sets one."""
     text = (HERE / "edge_24gb.toml").read_text()
     subs = [
         (r"(?m)^grad_accum_iter\s*=.*$", f"grad_accum_iter         = {grad_accum}"),
@@ -258,9 +275,18 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path) -> Path:
         text, n = re.subn(pattern, repl, text)
         if n != 1:
             raise RuntimeError(f"edge_24gb.toml: expected one match of {pattern!r}")
+    onecard = []
     if cfg.compile:  # the embedded trainer compiles only when [onecard] compile_blocks says so as well
-        text = text.replace("[onecard]\n", "[onecard]\ncompile_blocks = true\n", 1) if "[onecard]\n" in text \
-            else text + "\n[onecard]\ncompile_blocks = true\n"
+        onecard.append("compile_blocks = true")
+    layers = (checkpoint_layers or cfg.checkpoint_layers) if cfg.checkpoint_layers else ""
+    if layers:
+        onecard.append(f"checkpoint_layers = {layers if layers.isdigit() else json.dumps(layers)}")
+    if cfg.host_embeddings:
+        onecard.append("host_embeddings = true")
+    if onecard:
+        lines = "\n".join(onecard)
+        text = text.replace("[onecard]\n", f"[onecard]\n{lines}\n", 1) if "[onecard]\n" in text \
+            else text + f"\n[onecard]\n{lines}\n"
     place = attention_place()
     if cfg.attention and place is not None:
         table, key = place
@@ -294,20 +320,21 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
     micro-batches 1-3 of its last step profiled (:mod:`benchmarks.breakdown`, row key ``breakdown``)."""
     cuda = torch.cuda.is_available()
     os.environ.update(cfg.flags, OUTPUT_ROOT=str(tmp / "out" / slug(cfg.name)))
+    cap_gib = cfg.cap_gib or args.budget_gib
     if cfg.capped and cuda:
-        os.environ["ONECARD_GPU_MEMORY_GIB"] = str(args.budget_gib)
+        os.environ["ONECARD_GPU_MEMORY_GIB"] = str(cap_gib)
     else:
         os.environ.pop("ONECARD_GPU_MEMORY_GIB", None)
         if cuda:
             torch.cuda.set_per_process_memory_fraction(1.0)
-    row: dict = {"config": cfg.name + (PROFILED if profile else ""), "capped_gib": args.budget_gib if cfg.capped and cuda else None,
+    row: dict = {"config": cfg.name + (PROFILED if profile else ""), "capped_gib": cap_gib if cfg.capped and cuda else None,
                  "attention": cfg.attention or "default (dense masks)", "compile": cfg.compile}
     if cfg.attention and attention_place() is None:
         row.update(status="skipped: the trainer's schema has no packed-attention setting")
         return row
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp)
+    toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp, args.checkpoint_layers or "")
     # the final checkpoint is written (and deleted after the row): the row's host peak is through a save
     recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--max-iter", str(args.steps)]))
     prof = None
@@ -347,6 +374,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         peak_host_rss_gib=s["peak_host_rss_gib"], pinned_gib=s["pinned_bytes"] / GiB,
         **save_host(s),
         samples_per_step=s["samples_per_optimizer_step"],
+        checkpoint_layers=s.get("checkpoint_layers"),
+        host_tables_gib=(s.get("host_tables") or {}).get("host_bytes", 0) / GiB,
     )
     if flops_p is not None and times:
         flops = sum(model_flops(b, flops_p) for b in batches)
@@ -378,14 +407,15 @@ def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: s
 
     base = next((r for r in rows if r["config"] == CONFIGS[0].name and r.get("s_per_sample")), None)
     head = (f"{time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}; preset {next((r['preset'] for r in rows if 'preset' in r), '?')}, "
-            f"cap {next((r['cap'] for r in rows if 'cap' in r), '?')}, grad_accum_iter {ga}, EMA on; capped rows: card limited to {budget} GiB. MFU: model FLOPs "
+            f"cap {next((r['cap'] for r in rows if 'cap' in r), '?')}, grad_accum_iter {ga}, EMA on; capped rows: card limited to {budget} GiB unless the row says. MFU: model FLOPs "
             f"(fwd + bwd, no recompute) / micro-batch time / peak ({peak_note}); in brackets against the measured "
             f"bf16 GEMM ceiling {MEASURED_GEMM_TFLOPS:.0f} TFLOP/s. Pre-pass: the latent cache's, before training, "
             "in no step time.\n\n"
-            "| config | status | median s/micro-batch | s/step | s/sample (vs stock) | peak alloc GiB | peak reserved GiB "
+            "| config | status | card cap GiB | checkpointed layers | median s/micro-batch | s/step | s/sample (vs stock) "
+            "| peak alloc GiB | peak reserved GiB "
             "| ledger GiB (err) | model TFLOP/s | MFU | pre-pass s (hits/misses) | EMA crit. ms/step | "
             "VAE park+unpark ms/micro-batch | host RSS GiB | host RSS through the save GiB (+ the save) | pinned GiB |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = ""
     for r in rows:
         pred = f"{r['predicted_gpu_gib']:.2f} ({r['ledger_error_pct']:+.1f} %)" if r.get("ledger_error_pct") is not None else "–"
@@ -396,7 +426,8 @@ def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: s
             f" ({100 * r['mfu_vs_measured_gemm']:.1f} %)" if r.get("mfu_vs_measured_gemm") is not None else "")
         pre = r.get("prepass")
         pre_s = "–" if not pre else f"{r['prepass_s']:.1f} ({pre['hits']}/{pre['misses']})"
-        body += (f"| {r['config']} | {r['status']} | {f(r.get('s_per_micro_batch'), '.3f')} | "
+        body += (f"| {r['config']} | {r['status']} | {f(r.get('capped_gib'), '.2f')} | {r.get('checkpoint_layers', '–')} | "
+                 f"{f(r.get('s_per_micro_batch'), '.3f')} | "
                  f"{f(r.get('s_per_step'), '.2f')} | {f(sps, '.4f')}{vs} | {f(r.get('peak_gpu_gib'), '.2f')} | "
                  f"{f(r.get('peak_gpu_reserved_gib'), '.2f')} | {pred} | {f(r.get('model_tflop_per_s'), '.1f')} | "
                  f"{mfu_s} | {pre_s} | {f(r.get('ema_critical_path_s'), '.1f', 1e3)} | "
@@ -432,6 +463,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--profile", default=None,
                     help="comma-separated config names to run once more each, profiled: where the micro-batch time "
                     "goes (benchmarks/breakdown.py; own rows, \"<config> (profiled)\", and a gzipped trace each)")
+    ap.add_argument("--checkpoint-layers", default=None,
+                    help="[onecard] checkpoint_layers of the \"fewer checkpointed layers\" row (a number of decoder "
+                    "layers, \"all\" or \"auto\"; default auto); every other row checkpoints every layer")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU smoke of the benchmark itself (tiny preset; no GPU needed; any grad_accum)")
     args = ap.parse_args(argv)
@@ -449,6 +483,10 @@ def _main(argv: list[str] | None) -> int:
     at_least("--grad-accum", args.grad_accum, 1 if args.smoke else 8,
              "micro-batches per optimizer step" if args.smoke else "the GPU run; any >= 1 with --smoke")
     positive("--budget-gib", args.budget_gib, "GiB")
+    if args.checkpoint_layers is not None and not (args.checkpoint_layers in ("all", "auto")
+                                                   or args.checkpoint_layers.isdigit()):
+        raise UserError(f"--checkpoint-layers {args.checkpoint_layers!r} is not a number of layers, \"all\" or \"auto\": "
+                        "pass e.g. 20")
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
     writable_dir("--out", args.out)
     # <date>_cosmos_<gpu>_edge24gb, a smoke's ending in -smoke: a smoke never replaces the GPU results

@@ -124,3 +124,29 @@ def test_a_save_ops_regex_that_is_not_a_regular_expression_is_one_error(tmp_path
     assert ledgermod.main(["--toml", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_the_streamed_optimizer_state_is_priced_outside_the_activations(monkeypatch):
+    """Lever 5's groups in flight live only in the optimizer step, after the activations (kept attention included)
+    are freed: they add only what they exceed the activations by, and the other lines stay as they are."""
+    from cosmos_framework_ext.recipe import config as cfgmod
+    from cosmos_framework_ext.recipe import ledger as L
+
+    cfg = cfgmod.from_dict({"model": {"activation_checkpointing": {"mode": "selective",
+                                                                    "save_ops_regex": ["flex_attention"]}}})
+    flags = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_LATENT_CACHE": True}
+    items = lambda led: {i.name: i for i in led.items}  # noqa: E731
+    base, streamed = (L.cosmos_ledger(cfg, "edge", dict(flags, COSMOS_OPTIM_STATE_OFFLOAD=on), cap=12288)
+                      for on in (False, True))
+    tensors = items(base)["AdamW state"].gpu_bytes - 1414924992 * 2 * 2
+    assert items(streamed)["AdamW state (streamed, lever)"].gpu_bytes == tensors  # the activations are larger
+    assert items(streamed)["gradients"].gpu_bytes == items(base)["gradients"].gpu_bytes
+    assert base.gpu_allocated - streamed.gpu_allocated == 1414924992 * 2 * 2
+    # with no activations modelled, the groups in flight (0.75 GiB) beyond the kept attention outputs count
+    monkeypatch.setattr(L, "ACT_FIXED", 0)
+    monkeypatch.setattr(L, "ACT_PER_TOKEN_LAYER_HIDDEN", 0.0)
+    tiny_acts = items(L.cosmos_ledger(cfg, "edge", dict(flags, COSMOS_OPTIM_STATE_OFFLOAD=True), cap=4096))
+    kept = tiny_acts["kept attention outputs (selective AC)"].gpu_bytes
+    in_flight = 3 * L.OPTIM_GROUP_BYTES
+    assert 0 < kept < in_flight
+    assert tiny_acts["AdamW state (streamed, lever)"].gpu_bytes == in_flight - kept + tensors

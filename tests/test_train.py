@@ -133,6 +133,7 @@ def test_main_job_summary_and_checkpoint(env, capsys):
     assert s["ema"]["num_updates"] == 4 and s["ema"]["last_beta"] == pytest.approx(0.75 ** 7.9372039, rel=1e-6)
     for key in ("samples_per_optimizer_step", "peak_gpu_allocated_gib", "peak_host_rss_gib", "pinned_bytes", "checkpoint"):
         assert key in s
+    assert s["checkpoint_layers"] == 2 and s["host_tables"] is None  # "all" resolved to the tiny preset's layers
     blob = torch.load(s["checkpoint"], map_location="cpu", weights_only=False)
     net = {k[4:] for k in blob["model"] if k.startswith("net.")}
     ema = {k[8:]: v for k, v in blob["model"].items() if k.startswith("net_ema.")}

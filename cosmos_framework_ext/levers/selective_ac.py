@@ -19,6 +19,13 @@ proves the gradients bitwise equal to ``mode = "full"`` (tiny preset, fp32, CPU,
 Memory: the kept outputs stay alive from the forward to the backward of their layer: for the attention ops, per
 layer, ``tokens x heads x head_dim`` values in the compute dtype plus the log-sum-exp (``tokens x heads`` fp32)
 that flex_attention returns beside them (the ledger counts this: :func:`kept_attention_bytes`).
+
+**Fewer checkpointed layers** (``[onecard] checkpoint_layers``, Megatron-LM's "block" recompute method): only the
+first ``n`` decoder layers are checkpointed (selectively, or fully with ``save_ops_regex=None``); the other layers
+keep every activation their backward needs and recompute nothing. The same ops on the same inputs again:
+``tests/equivalence/test_checkpoint_layers.py`` proves the gradients bitwise equal to every layer checkpointed (CPU,
+eager and ``aot_eager``). ``"auto"`` (:func:`cosmos_framework_ext.recipe.ledger.resolve_checkpoint_layers`) picks the
+smallest ``n`` whose memory ledger fits the card.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["ATTENTION_OPS", "apply_selective_checkpointing", "kept_attention_bytes", "save_policy"]
+__all__ = ["ATTENTION_OPS", "apply_selective_checkpointing", "kept_attention_bytes", "repeated_blocks", "save_policy"]
 
 ATTENTION_OPS = ("flex_attention", "scaled_dot_product")
 """Regexes that match the embedded trainer's attention ops (block-sparse and dense)."""
@@ -58,41 +65,57 @@ def save_policy(save_ops_regex: Sequence[str]):
     return policy
 
 
-def apply_selective_checkpointing(model: torch.nn.Module, save_ops_regex: Sequence[str], *,
-                                  preserve_rng_state: bool = True, determinism_check: str = "default") -> int:
-    """Checkpoint every repeated block of ``model`` (``model._repeated_blocks``) selectively; returns how many.
-
-    Call before :func:`~cosmos_framework_ext.levers.compile_blocks.compile_blocks` and instead of
-    ``enable_gradient_checkpointing`` (which is turned off here: the layers are called directly and checkpoint
-    themselves). Each block's ``forward`` becomes ``checkpoint(forward, ..., use_reentrant=False,
-    context_fn=<selective contexts of save_policy(save_ops_regex)>)``.
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` whose class ``model._repeated_blocks`` names (the decoder layers), in module order.
 
     Raises:
-        ValueError: ``model`` has no repeated blocks, or a pattern is not a regular expression.
+        ValueError: ``model`` declares no repeated blocks.
     """
-    policy = save_policy(save_ops_regex)
     names = set(getattr(model, "_repeated_blocks", ()))
     if not names:
         raise ValueError(f"{type(model).__name__} declares no _repeated_blocks to checkpoint")
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def apply_selective_checkpointing(model: torch.nn.Module, save_ops_regex: Sequence[str] | None, *,
+                                  preserve_rng_state: bool = True, determinism_check: str = "default",
+                                  layers: int | None = None) -> int:
+    """Checkpoint the repeated blocks of ``model`` (``model._repeated_blocks``) selectively; returns how many.
+
+    Call before :func:`~cosmos_framework_ext.levers.compile_blocks.compile_blocks` and instead of
+    ``enable_gradient_checkpointing`` (which is turned off here: the layers are called directly and checkpoint
+    themselves). Each checkpointed block's ``forward`` becomes ``checkpoint(forward, ..., use_reentrant=False,
+    context_fn=<selective contexts of save_policy(save_ops_regex)>)``; ``save_ops_regex=None`` checkpoints the whole
+    block (no policy: everything recomputed, as ``mode = "full"``).
+
+    Args:
+        layers: checkpoint only the first ``layers`` blocks (``None``: all); the others keep their activations.
+
+    Raises:
+        ValueError: ``model`` has no repeated blocks, a pattern is not a regular expression, or ``layers`` is
+            negative or above the number of blocks.
+    """
+    blocks = repeated_blocks(model)
+    if layers is not None and not 0 <= layers <= len(blocks):
+        raise ValueError(f"checkpoint layers {layers} must be in [0, {len(blocks)}] (the model's decoder layers)")
+    context_fn = (functools.partial(create_selective_checkpoint_contexts, save_policy(save_ops_regex))
+                  if save_ops_regex is not None else None)
     if getattr(model, "gradient_checkpointing", False) or any(getattr(m, "gradient_checkpointing", False)
                                                               for m in model.modules()):
         model.disable_gradient_checkpointing()
-    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
-    n = 0
-    for m in model.modules():
-        if type(m).__name__ not in names:
-            continue
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+    chosen = blocks if layers is None else blocks[:layers]
+    for m in chosen:
         inner = m.forward
 
         def forward(*args: Any, _inner=inner, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, context_fn=context_fn,
-                              preserve_rng_state=preserve_rng_state, determinism_check=determinism_check, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state,
+                              determinism_check=determinism_check, **extra, **kwargs)
 
         m.forward = forward
-        n += 1
-    return n
+    return len(chosen)
 
 
 def kept_attention_bytes(tokens: int, layers: int, heads: int, head_dim: int, dtype_bytes: int) -> int:

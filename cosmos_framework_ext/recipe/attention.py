@@ -151,6 +151,7 @@ def build_packed_inputs(
     device: torch.device,
     impl: str = "dense",
     block: int | None = None,
+    ids_device: torch.device | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Forward kwargs of ``Cosmos3OmniTransformer`` for one packed micro-batch.
 
@@ -166,6 +167,7 @@ def build_packed_inputs(
         impl: ``"dense"``: :class:`PackedSegments` (boolean [L, L] masks, the reference); ``"flex"``:
             :class:`~cosmos_framework_ext.levers.attention_blocksparse.BlockSparseSegments` (block masks, O(L) memory).
         block: flex tile edge in tokens (default :data:`~cosmos_framework_ext.levers.attention_blocksparse.DEFAULT_BLOCK`).
+        ids_device: where ``input_ids`` go (default ``device``; the host for ``[onecard] host_embeddings``).
 
     Returns:
         (forward kwargs, segments to set on the processor).
@@ -183,8 +185,9 @@ def build_packed_inputs(
     # for everything the GPU has queued): the host can prepare this micro-batch while the GPU computes the last
     put = (lambda t: t.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else (lambda t: t.to(device))
     seq = torch.arange(und_len, und_len + gen_len, device=device)
+    ids = torch.tensor([t for ids in text_ids for t in ids], dtype=torch.long)  # built on the host
     kwargs = dict(
-        input_ids=put(torch.tensor([t for ids in text_ids for t in ids], dtype=torch.long)),
+        input_ids=ids if ids_device is not None and torch.device(ids_device) != device else put(ids),
         text_indexes=torch.arange(und_len, device=device),
         position_ids=put(torch.cat(und_pos + gen_pos, dim=1)),
         und_len=und_len,

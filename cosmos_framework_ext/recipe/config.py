@@ -125,7 +125,9 @@ class ActivationCheckpointingConfig:
     """``[model.activation_checkpointing]``: recompute activations in the backward pass."""
 
     mode: str = "full"
-    """``full`` checkpoints every decoder layer (the embedded trainer honours ``full`` only)."""
+    """``full`` recomputes each checkpointed decoder layer whole in the backward pass, ``selective`` keeps the
+    outputs of the ops ``save_ops_regex`` names and recomputes the rest, ``none`` keeps every activation (which
+    layers are checkpointed: ``[onecard] checkpoint_layers``)."""
     save_ops_regex: list[str] = _list("fmha")
     """Upstream selective checkpointing: ops whose outputs are kept."""
     preserve_rng_state: bool = True
@@ -303,6 +305,17 @@ class OnecardConfig:
     (which sets ``[model.compile] enabled = true``) runs the eager reference; the 24 GB recipes turn it on
     (proofs: tests/equivalence/test_compile_blocks.py, on the CPU and on a GPU). Upstream's trainer reads only
     ``[model.compile]``."""
+    checkpoint_layers: int | Literal["all", "auto"] = dataclasses.field(default="all", metadata=meaning(ge=0))
+    """How many decoder layers (the first ones) ``[model.activation_checkpointing]`` checkpoints; the others keep
+    every activation their backward needs and recompute nothing (faster, more GPU memory; the same gradients:
+    cosmos_framework_ext.levers.selective_ac). ``"all"`` (default): every layer. ``"auto"``: as few as the memory
+    ledger says fit the card (``ONECARD_GPU_MEMORY_GIB``, else the card's memory; every layer on a CPU). An integer:
+    that many, at most the preset's layers (28 for edge). Ignored when ``mode = "none"``."""
+    host_embeddings: bool = False
+    """Keep the frozen text-token embedding (``embed_tokens``, a lookup) and ``lm_head`` (which the diffusion
+    forward never runs) on the host, the lookup done there and its rows copied to the GPU: 1.0 GiB of GPU memory
+    for the edge preset, the same values (cosmos_framework_ext.levers.host_embeddings). One rank with the
+    parameters stored in the compute dtype only (no FSDP2), and only while both are frozen."""
     keep_checkpoints: int = dataclasses.field(default=2, metadata=meaning(ge=0))
     """Checkpoints kept in ``<run dir>/checkpoints`` after each save, the new one included (0: all). Each edge-preset
     checkpoint holds ``net``, an fp32 ``net_ema`` and the AdamW state (tens of GB), so the default keeps the newest and

@@ -22,6 +22,7 @@ runs with both levers on, over the exact static components (``docs/ledger.md`` h
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -44,6 +45,15 @@ ACT_FIXED = int(0.79 * GiB)
 """bytes: activation-phase transients that do not scale with tokens (fitted, see module docstring)."""
 ACT_PER_TOKEN_LAYER_HIDDEN = 2.97
 """bytes per token x layer x hidden unit under full activation checkpointing (fitted)."""
+ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN = 30.4
+"""bytes per token x hidden unit that a decoder layer left out of activation checkpointing (``[onecard]
+checkpoint_layers``) keeps beyond a checkpointed one: every activation its backward needs. Fitted on the H200
+(2026-12-04, edge preset, cap 12288, selective, compiled): 8 layers left out added 5.32 GiB of peak allocated
+(0.665 GiB a layer, plus the 0.048 GiB of kept attention outputs a checkpointed layer would hold)."""
+AUTO_HEADROOM = 2 * GiB
+"""bytes ``checkpoint_layers = "auto"`` leaves free below the budget beyond the ledger's reserved peak: under a cap the
+caching allocator's reserved memory ran 1.25-1.28x the allocated peak on the H200, and a plan that reaches the cap
+makes the allocator free and retry (the 2026-12-04 row at 20 layers reserved 22.04 of 22.06 GiB)."""
 ATTENTION_OP_NAMES = ("flex_attention", "aten._scaled_dot_product_efficient_attention.default")
 """The embedded trainer's attention ops as the selective policy sees them: a ``save_ops_regex`` that matches one
 keeps the attention outputs (and the ledger counts them)."""
@@ -59,11 +69,21 @@ HOST_BASELINE_CPU = int(0.75 * GiB)
 0.80 GiB peak, not a measurement of the machine it runs on."""
 
 
+HOST_TABLES = ("embed_tokens.weight", "lm_head.weight")
+"""The parameters ``[onecard] host_embeddings`` keeps on the host (:mod:`cosmos_framework_ext.levers.host_embeddings`)."""
+
+
 def _counts(preset_name: str, keys: list[str]) -> dict[str, int]:
+    """Parameter counts and shapes of the preset (a copy of :func:`_counts_of`'s cached answer)."""
+    return dict(_counts_of(preset_name, tuple(keys)))
+
+
+@functools.lru_cache(maxsize=8)
+def _counts_of(preset_name: str, keys: tuple[str, ...]) -> dict[str, int]:
     preset = get_preset(preset_name)
     model = build_transformer(preset, device="meta")
     names = [n for n, _ in model.named_parameters()]
-    trainable = set(select_trainable(names, keys))
+    trainable = set(select_trainable(names, list(keys)))
     params = dict(model.named_parameters())
     vae = build_vae(preset, device="meta")
     return {
@@ -79,6 +99,7 @@ def _counts(preset_name: str, keys: list[str]) -> dict[str, int]:
         "layer": sum(p.numel() for p in model.layers[0].parameters()),
         "largest_train": max((params[n].numel() for n in trainable), default=0),
         "largest": max((p.numel() for p in params.values()), default=0),
+        "tables": sum(params[n].numel() for n in HOST_TABLES if n in params),
     }
 
 
@@ -90,6 +111,7 @@ def cosmos_ledger(
     device_type: str = "cuda",
     cap: int | None = None,
     grad_accum_iter: int | None = None,
+    checkpoint_layers: int | None = None,
 ) -> Ledger:
     """The ledger of one rank of the Cosmos3-Edge recipe.
 
@@ -101,6 +123,9 @@ def cosmos_ledger(
         device_type: ``cuda`` (bf16 parameters when the TOML says bfloat16) or ``cpu`` (fp32).
         cap: packing cap to size activations for (default: the TOML's ``max_sequence_length``).
         grad_accum_iter: shown in the title (default: the TOML's; the CPU smoke run replaces it).
+        checkpoint_layers: decoder layers activation-checkpointed (default: ``[onecard] checkpoint_layers`` when it
+            is a number, every layer for ``"all"`` and ``"auto"``; :func:`resolve_checkpoint_layers` resolves
+            ``"auto"``).
 
     Raises:
         ValueError: unknown preset, or ``keys_to_select`` empty / matching nothing.
@@ -133,6 +158,10 @@ def cosmos_ledger(
         weights = Item("weights (frozen bf16, lever)", shard(frozen) * b + shard(c["train"]) * mb + c["buffers"],
                        shard(frozen) * 4, note=f"{frozen:,} frozen bf16 on the GPU (fp32 on the host), "
                        f"{c['train']:,} trainable {dt}")
+    elif cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed:
+        weights = Item("weights (lookup tables on the host, lever)", (c["all"] - c["tables"]) * mb + c["buffers"],
+                       c["tables"] * mb, note=f"{c['all']:,} params {dt}; embed_tokens + lm_head "
+                       f"({c['tables']:,}) on the host")
     else:
         weights = Item("weights", shard(c["all"]) * mb + c["buffers"], note=f"{c['all']:,} params {dt}"
                        + (f", 1/{world_size} shard" if world_size > 1 else ""))
@@ -142,10 +171,10 @@ def cosmos_ledger(
         items.append(Item("FSDP2 bf16 compute copies", unsharded,
                           note="root unit + 2 decoder layers gathered in bf16 (MixedPrecisionPolicy)"))
     items.append(Item("gradients", shard(c["train"]) * mb, note=f"trainable {c['train']:,} params {dt}"))
+    in_flight = min(state, 3 * max(OPTIM_GROUP_BYTES, 2 * mb * c["largest_train"]))
+    streamed_at = len(items)  # the streamed state's line: priced once the activations are known (below)
     if optim_lever:
-        in_flight = min(state, 3 * max(OPTIM_GROUP_BYTES, 2 * mb * c["largest_train"]))
-        items.append(Item("AdamW state (streamed, lever)", in_flight + c["train_tensors"] * 4, state, pinned=True,
-                          note=f"exp_avg + exp_avg_sq {dt} in a pinned host arena; <= 3 stream groups on the GPU"))
+        items.append(Item("AdamW state (streamed, lever)", 0, state, pinned=True))
     else:
         items.append(Item("AdamW state", state + c["train_tensors"] * 4,
                           note=f"exp_avg + exp_avg_sq {dt}, step fp32 x {c['train_tensors']} tensors"))
@@ -170,11 +199,25 @@ def cosmos_ledger(
     items.append(Item("activations + transients", act if device_type == "cuda" else 0, 0 if device_type == "cuda" else act,
                       note=f"{tokens:,} tokens x {c['layers']} layers x {c['hidden']} hidden, full AC (fitted)"))
     ac = cfg.model.activation_checkpointing
-    if ac.mode == "selective" and any(re.search(p, op) for p in ac.save_ops_regex for op in ATTENTION_OP_NAMES):
-        kept = kept_attention_bytes(tokens, c["layers"], c["heads"], c["head_dim"], b)
-        items.append(Item("kept attention outputs (selective AC)", kept if device_type == "cuda" else 0,
-                          0 if device_type == "cuda" else kept,
-                          note=f"{c['layers']} layers x {tokens:,} tokens x {c['heads']} heads x (head_dim {c['head_dim']} + lse)"))
+    on_gpu = lambda n: (n, 0) if device_type == "cuda" else (0, n)  # noqa: E731 - activations live where compute runs
+    ckpt_layers = c["layers"] if ac.mode == "none" else _checkpoint_layers(cfg, c["layers"], checkpoint_layers)
+    if ac.mode == "none" or ckpt_layers < c["layers"]:
+        plain = c["layers"] - ckpt_layers
+        extra = int(ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN * tokens * c["hidden"]) * plain
+        items.append(Item("activations of uncheckpointed layers", *on_gpu(extra),
+                          note=f"{plain} of {c['layers']} layers keep every activation ([onecard] checkpoint_layers "
+                          f"{ckpt_layers}; fitted)" if ac.mode != "none" else "mode none: every layer (fitted)"))
+    if ac.mode == "selective" and ckpt_layers and any(re.search(p, op) for p in ac.save_ops_regex
+                                                      for op in ATTENTION_OP_NAMES):
+        kept = kept_attention_bytes(tokens, ckpt_layers, c["heads"], c["head_dim"], b)
+        items.append(Item("kept attention outputs (selective AC)", *on_gpu(kept),
+                          note=f"{ckpt_layers} layers x {tokens:,} tokens x {c['heads']} heads x (head_dim {c['head_dim']} + lse)"))
+    if optim_lever:  # the groups in flight live only inside the optimizer step, after every activation is freed
+        acts = sum(i.gpu_bytes for i in items if i.name.startswith(("activations", "kept attention")))
+        items[streamed_at] = Item(
+            "AdamW state (streamed, lever)", max(0, in_flight - acts) + c["train_tensors"] * 4, state, pinned=True,
+            note=f"exp_avg + exp_avg_sq {dt} in a pinned host arena; <= 3 stream groups ({in_flight / GiB:.2f} GiB) "
+            "on the GPU in the optimizer step only, when the activations are freed")
     if device_type == "cuda":
         items.append(Item("host process baseline", 0, HOST_BASELINE,
                           note="torch + CUDA libraries + clip cache (measured on an H200 machine)"))
@@ -195,6 +238,40 @@ def cosmos_ledger(
     # one checkpoint file: full net (stored dtype), net_ema fp32 for every net key, AdamW moments of the trainable subset
     ckpt = c["all"] * mb + c["buffers"] + (c["all"] * 4 if ema_on else 0) + c["train"] * 2 * mb + c["train_tensors"] * 8
     return Ledger(title, items, outside, checkpoint_bytes=ckpt)
+
+
+def _checkpoint_layers(cfg: SFTConfig, layers: int, given: int | None) -> int:
+    """The checkpointed layers the ledger prices: ``given``, else ``[onecard] checkpoint_layers`` when a number, else
+    every layer."""
+    if given is not None:
+        return given
+    value = cfg.onecard.checkpoint_layers
+    return value if isinstance(value, int) else layers
+
+
+def resolve_checkpoint_layers(cfg: SFTConfig, preset_name: str, flags: dict[str, bool], budget: int | None, *,
+                              world_size: int = 1, device_type: str = "cuda", cap: int | None = None) -> int:
+    """``[onecard] checkpoint_layers`` as a number of decoder layers: ``"all"`` is every layer, a number itself,
+    ``"auto"`` the fewest whose ledger fits ``budget - AUTO_HEADROOM`` bytes (reserved peak, :meth:`Ledger.fits`);
+    every layer when none fits, on a CPU or without a budget, and with ``mode = "none"`` (nothing checkpointed).
+
+    Raises:
+        UserError: a number above the preset's decoder layers (names both and the fix).
+    """
+    layers = get_preset(preset_name).transformer["num_hidden_layers"]
+    value = cfg.onecard.checkpoint_layers
+    if isinstance(value, int):
+        if value > layers:
+            raise UserError(f"{cfg.source}: [onecard].checkpoint_layers = {value} is above the {layers} decoder layers of "
+                            f"preset {preset_name}: use 0 to {layers}, \"all\" or \"auto\"")
+        return value
+    if value == "all" or device_type != "cuda" or not budget or cfg.model.activation_checkpointing.mode == "none":
+        return layers
+    for n in range(layers + 1):  # fewer checkpointed layers: faster, more memory; the first that fits
+        if cosmos_ledger(cfg, preset_name, flags, world_size, device_type, cap,
+                         checkpoint_layers=n).fits(budget - AUTO_HEADROOM):
+            return n
+    return layers
 
 
 def what_closes_the_gap(

@@ -61,8 +61,9 @@ from patches.core.device import gpu_budget_bytes, pick_device
 from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
+from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
-from cosmos_framework_ext.recipe.ledger import cosmos_ledger, summary_line
+from cosmos_framework_ext.recipe.ledger import cosmos_ledger, resolve_checkpoint_layers, summary_line
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
 from cosmos_framework_ext.levers.latent_cache import CacheItem, run_prepass
@@ -508,6 +509,7 @@ class CosmosSFT(skeleton.Recipe):
             meta = build_transformer(self.preset, device="meta")
             names = [n for n, _ in meta.named_parameters()]
             self.trainable = select_trainable(names, cfg.optimizer.keys_to_select)
+            check_host_embeddings(cfg.onecard.host_embeddings, self.trainable, self.world, self.mixed)
         except ValueError as e:
             raise UserError(f"{cfg.source}: {e}") from None
         path = Path(cfg.checkpoint.load_path) if cfg.checkpoint.load_path else None
@@ -557,8 +559,12 @@ class CosmosSFT(skeleton.Recipe):
     def _print_plan(self) -> None:
         """The run's one-line plan and its memory ledger (rank 0)."""
         dev = self.device
+        budget = gpu_budget_bytes(dev) if dev.type == "cuda" else None
+        self.checkpoint_layers = resolve_checkpoint_layers(self.cfg, self.preset.name, self.flags, budget,
+                                                           world_size=self.world, device_type=dev.type, cap=self.cap)
         self.ledger = cosmos_ledger(self.cfg, self.preset.name, self.flags, world_size=self.world,
-                                    device_type=dev.type, cap=self.cap, grad_accum_iter=self.ga)
+                                    device_type=dev.type, cap=self.cap, grad_accum_iter=self.ga,
+                                    checkpoint_layers=self.checkpoint_layers)
         if not self.main_rank:
             return
         where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no GPU found)"
@@ -568,9 +574,12 @@ class CosmosSFT(skeleton.Recipe):
               f"{flagmod.FROZEN_BF16.name}={int(self.frozen_lever)}; parameters stored {self.master_dtype}, computed "
               f"{self.dtype}" + (f" (FSDP2 MixedPrecisionPolicy, reduce {self.reduce_dtype})" if self.mixed else ""),
               flush=True)
-        budget = None
-        if dev.type == "cuda":
-            budget = gpu_budget_bytes(dev)
+        ac = self.cfg.model.activation_checkpointing
+        layers = self.preset.transformer["num_hidden_layers"]
+        if ac.mode != "none" and self.checkpoint_layers < layers:
+            print(f"onecard: {self.checkpoint_layers} of {layers} decoder layers activation-checkpointed ({ac.mode}), the "
+                  f"other {layers - self.checkpoint_layers} keep their activations ([onecard] checkpoint_layers = "
+                  f"{self.cfg.onecard.checkpoint_layers!r})", flush=True)
         print(self.ledger.format(budget), flush=True)
 
     # ------------------------------------------------------------ 2. the stock recipe
@@ -637,11 +646,14 @@ class CosmosSFT(skeleton.Recipe):
         self.n_total = sum(p.numel() for p in model.parameters())
         self.n_train = sum(p.numel() for n, p in model.named_parameters() if n in tset)
         ac = cfg.model.activation_checkpointing
-        if ac.mode == "full":
+        some = self.checkpoint_layers < len(model.layers)  # lever: the other layers keep their activations
+        if ac.mode == "full" and not some:
             model.enable_gradient_checkpointing()
-        elif ac.mode == "selective":  # lever: the ops save_ops_regex names kept, the rest recomputed (before compile)
-            apply_selective_checkpointing(model, ac.save_ops_regex, preserve_rng_state=ac.preserve_rng_state,
-                                          determinism_check=ac.determinism_check)
+        elif ac.mode != "none":  # lever: the ops save_ops_regex names kept, the rest recomputed (before compile)
+            apply_selective_checkpointing(model, ac.save_ops_regex if ac.mode == "selective" else None,
+                                          preserve_rng_state=ac.preserve_rng_state,
+                                          determinism_check=ac.determinism_check, layers=self.checkpoint_layers)
+        self.host_tables = park_lookup_tables(model, device) if cfg.onecard.host_embeddings else None
         self.proc = attention.install(model)
         model.train()
         self.compile_note = "eager"
@@ -946,7 +958,8 @@ class CosmosSFT(skeleton.Recipe):
         tok = self.tokenizer
         text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
         kwargs, self.proc.segments = attention.build_packed_inputs(
-            self.model.config, text, xt, sigmas, [s.record.fps for s in batch], device, impl=self.cfg.onecard.attention
+            self.model.config, text, xt, sigmas, [s.record.fps for s in batch], device, impl=self.cfg.onecard.attention,
+            ids_device=torch.device("cpu") if self.host_tables is not None else None,
         )
         with mem.phase("forward"):
             preds = self.model(**kwargs).sample
@@ -1021,6 +1034,9 @@ class CosmosSFT(skeleton.Recipe):
             init=self.init_note,
             attention=self.cfg.onecard.attention,
             compile=self.compile_note,
+            checkpoint_layers=self.checkpoint_layers,
+            host_tables=None if self.host_tables is None else {"names": self.host_tables.names,
+                                                               "host_bytes": self.host_tables.host_bytes},
         )
 
     def _ema_summary(self) -> dict[str, Any] | None:

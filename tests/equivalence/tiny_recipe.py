@@ -55,7 +55,7 @@ def loss_of(model: torch.nn.Module, samples, grad_accum: int = GRAD_ACCUM, loss_
     trainer (which clears them only after ``backward``): under activation checkpointing the backward re-runs
     the forward, and without the masks that re-run would attend across samples.
     """
-    ref = next(model.parameters())
+    ref = model.proj_in.weight  # where and in what dtype the model computes (a lookup table may live on the host)
     xt, targets = [], []
     for _, x0, sigma, noise in samples:
         a, v = flow_matching_inputs(x0.to(ref.device), noise.to(ref.device), sigma)
