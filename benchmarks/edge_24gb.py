@@ -300,6 +300,26 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
     return path
 
 
+def checkpoint_layers_arg(value: str, preset: str, only: list[str]) -> str:
+    """``--checkpoint-layers`` checked before any row runs: ``"all"``, ``"auto"`` or 0 to the preset's decoder layers
+    in ASCII digits (returned without leading zeros), and only with a row that reads it in ``--only``.
+
+    Raises:
+        UserError: anything else (one line naming the fix).
+    """
+    from cosmos_framework_ext.recipe.presets import get_preset
+
+    layers = get_preset(preset).transformer["num_hidden_layers"]
+    if value not in ("all", "auto") and not (re.fullmatch(r"[0-9]{1,4}", value) and int(value) <= layers):
+        raise UserError(f"--checkpoint-layers {value!r} is not a number of decoder layers from 0 to {layers} (the "
+                        f"{preset} preset), \"all\" or \"auto\": pass e.g. {max(layers - 8, 0)}")
+    readers = [c.name for c in OPTIONAL + CONFIGS if c.checkpoint_layers]
+    if not any(name in readers for name in only):
+        raise UserError(f"--checkpoint-layers applies only to the row {readers[0]!r}: add it to --only, or drop "
+                        "--checkpoint-layers")
+    return value if value in ("all", "auto") else str(int(value))
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
@@ -483,10 +503,9 @@ def _main(argv: list[str] | None) -> int:
     at_least("--grad-accum", args.grad_accum, 1 if args.smoke else 8,
              "micro-batches per optimizer step" if args.smoke else "the GPU run; any >= 1 with --smoke")
     positive("--budget-gib", args.budget_gib, "GiB")
-    if args.checkpoint_layers is not None and not (args.checkpoint_layers in ("all", "auto")
-                                                   or args.checkpoint_layers.isdigit()):
-        raise UserError(f"--checkpoint-layers {args.checkpoint_layers!r} is not a number of layers, \"all\" or \"auto\": "
-                        "pass e.g. 20")
+    if args.checkpoint_layers is not None:
+        args.checkpoint_layers = checkpoint_layers_arg(args.checkpoint_layers, "tiny" if args.smoke else "edge",
+                                                       [c.name for c in every if c.name in only])
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
     writable_dir("--out", args.out)
     # <date>_cosmos_<gpu>_edge24gb, a smoke's ending in -smoke: a smoke never replaces the GPU results

@@ -38,6 +38,7 @@ from patches.core.runtime import GiB
 from cosmos_framework_ext.recipe import config as cfgmod
 from cosmos_framework_ext.recipe.config import SFTConfig
 from cosmos_framework_ext.levers.frozen_bf16 import check_with_ema
+from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings
 from cosmos_framework_ext.levers.selective_ac import kept_attention_bytes
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 
@@ -100,6 +101,7 @@ def _counts_of(preset_name: str, keys: tuple[str, ...]) -> dict[str, int]:
         "largest_train": max((params[n].numel() for n in trainable), default=0),
         "largest": max((p.numel() for p in params.values()), default=0),
         "tables": sum(params[n].numel() for n in HOST_TABLES if n in params),
+        "tables_train": sorted(n for n in HOST_TABLES if n in trainable),
     }
 
 
@@ -150,6 +152,7 @@ def cosmos_ledger(
     frozen_lever = flags.get(FROZEN_BF16.name, False) and mixed
     check_with_ema(frozen_lever, ema_on, ema_lever)  # the trainer's own refusal, so DRYRUN does not price it
     c = _counts(preset_name, cfg.optimizer.keys_to_select)  # builds the model on the meta device (seconds)
+    check_host_embeddings(cfg.onecard.host_embeddings, c["tables_train"], world_size, mixed)  # the trainer's too
     dt = "bf16" if mb == 2 else "fp32"
     frozen = c["all"] - c["train"]
     state = shard(c["train"]) * 2 * mb
@@ -230,8 +233,13 @@ def cosmos_ledger(
         items.append(Item("checkpoint save (gathered)", 0, c["all"] * mb + (c["all"] * 4 if ema_on else 0)
                           + c["train"] * 2 * mb, note="at a save only: full host copies of net, net_ema, moments"))
     outside = [Item("CUDA context", CUDA_CONTEXT if device_type == "cuda" else 0, note="outside the allocator budget")]
-    levers = ", ".join(f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD,
-                                               FROZEN_BF16) if flags.get(f.name)) or "no levers"
+    levers = [f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD, FROZEN_BF16)
+              if flags.get(f.name)]
+    if weights.name.startswith("weights (lookup tables"):
+        levers.append("host_embeddings")
+    if ac.mode != "none" and ckpt_layers < c["layers"]:
+        levers.append(f"checkpoint_layers {ckpt_layers}")
+    levers = ", ".join(levers) or "no levers"
     title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {grad_accum_iter or cfg.trainer.grad_accum_iter}, "
              f"EMA {'on' if ema_on else 'off'}, {levers}, {world_size} rank(s), {device_type}, "
              f"master {dt}" + (" (compute bf16)" if mixed else ""))
@@ -242,11 +250,37 @@ def cosmos_ledger(
 
 def _checkpoint_layers(cfg: SFTConfig, layers: int, given: int | None) -> int:
     """The checkpointed layers the ledger prices: ``given``, else ``[onecard] checkpoint_layers`` when a number, else
-    every layer."""
-    if given is not None:
-        return given
+    every layer.
+
+    Raises:
+        ValueError: a count outside 0..``layers``.
+    """
+    n = given if given is not None else cfg.onecard.checkpoint_layers
+    if not isinstance(n, int):
+        return layers
+    if not 0 <= n <= layers:
+        raise ValueError(f"checkpoint layers {n} must be in [0, {layers}] (the preset's decoder layers)")
+    return n
+
+
+def check_checkpoint_layers(cfg: SFTConfig, preset_name: str) -> None:
+    """``[onecard] checkpoint_layers`` against the preset and the checkpointing mode (before any work).
+
+    Raises:
+        UserError: a number above the preset's decoder layers, or a positive number with ``mode = "none"``
+            (which checkpoints no layer); each names the fix.
+    """
+    layers = get_preset(preset_name).transformer["num_hidden_layers"]
     value = cfg.onecard.checkpoint_layers
-    return value if isinstance(value, int) else layers
+    if not isinstance(value, int):
+        return
+    if value > layers:
+        raise UserError(f"{cfg.source}: [onecard].checkpoint_layers = {value} is above the {layers} decoder layers of "
+                        f"preset {preset_name}: use 0 to {layers}, \"all\" or \"auto\"")
+    if value > 0 and cfg.model.activation_checkpointing.mode == "none":
+        raise UserError(f"{cfg.source}: [onecard].checkpoint_layers = {value} with [model.activation_checkpointing] "
+                        "mode = \"none\", which checkpoints no layer: set mode = \"full\" or \"selective\", or drop "
+                        "checkpoint_layers")
 
 
 def resolve_checkpoint_layers(cfg: SFTConfig, preset_name: str, flags: dict[str, bool], budget: int | None, *,
@@ -256,14 +290,12 @@ def resolve_checkpoint_layers(cfg: SFTConfig, preset_name: str, flags: dict[str,
     every layer when none fits, on a CPU or without a budget, and with ``mode = "none"`` (nothing checkpointed).
 
     Raises:
-        UserError: a number above the preset's decoder layers (names both and the fix).
+        UserError: what :func:`check_checkpoint_layers` refuses.
     """
+    check_checkpoint_layers(cfg, preset_name)
     layers = get_preset(preset_name).transformer["num_hidden_layers"]
     value = cfg.onecard.checkpoint_layers
     if isinstance(value, int):
-        if value > layers:
-            raise UserError(f"{cfg.source}: [onecard].checkpoint_layers = {value} is above the {layers} decoder layers of "
-                            f"preset {preset_name}: use 0 to {layers}, \"all\" or \"auto\"")
         return value
     if value == "all" or device_type != "cuda" or not budget or cfg.model.activation_checkpointing.mode == "none":
         return layers
@@ -322,7 +354,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         gpu_memory_cap_gib()  # a bad card cap is refused here too, as the trainer would refuse it
         cfg = cfgmod.load(args.toml)
         env_flags = flagmod.read_all()
-        ledger = cosmos_ledger(cfg, args.preset, env_flags, world_size=args.world_size)
+        layers = resolve_checkpoint_layers(cfg, args.preset, env_flags, budget, world_size=args.world_size)
+        ledger = cosmos_ledger(cfg, args.preset, env_flags, world_size=args.world_size, checkpoint_layers=layers)
     except (ValueError, flagmod.FlagError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

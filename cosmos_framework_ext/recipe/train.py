@@ -63,7 +63,8 @@ from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta,
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
-from cosmos_framework_ext.recipe.ledger import cosmos_ledger, resolve_checkpoint_layers, summary_line
+from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, cosmos_ledger, resolve_checkpoint_layers,
+                                                 summary_line)
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
 from cosmos_framework_ext.levers.latent_cache import CacheItem, run_prepass
@@ -383,6 +384,7 @@ class CosmosSFT(skeleton.Recipe):
         self._resolve_master_dtype()
         self._check_preset()
         self._check_honoured()
+        check_checkpoint_layers(self.cfg, self.preset.name)  # before the dataset and the model ("auto": the plan)
         self._check_paths()
         self._resolve_schedule()
         job = self.cfg.job

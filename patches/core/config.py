@@ -127,6 +127,12 @@ def _is_union(origin: Any) -> bool:
 
 
 def _type_name(tp: Any) -> str:
+    """How a message names what ``tp`` accepts: ``int``, ``one of ['all', 'auto']``, ``int or one of [...]``."""
+    origin = typing.get_origin(tp)
+    if _is_union(origin):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is typing.Literal:
+        return f"one of {list(typing.get_args(tp))}"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

@@ -176,9 +176,10 @@ def test_config_values():
     from cosmos_framework_ext.recipe.config import ConfigError
 
     assert _cfg(layers=0).onecard.checkpoint_layers == 0
-    for bad in ("some", -1, 2.5, True):
-        with pytest.raises(ConfigError, match="checkpoint_layers"):
+    for bad in ("some", -1, 2.5, True, "AUTO", [1]):
+        with pytest.raises(ConfigError, match="checkpoint_layers") as e:
             _cfg(layers=bad)
+        assert "must be >= 0" in str(e.value) or "expected int or one of ['all', 'auto']" in str(e.value), str(e.value)
 
 
 def test_the_trainer_checkpoints_the_first_layers(env):  # noqa: F811 - the fixture of tests.test_train
@@ -221,6 +222,43 @@ def test_the_trainers_ledger_prices_the_resolved_count(env, monkeypatch):  # noq
     recipe.preflight()
     assert recipe.checkpoint_layers == 1
     assert any(i.name == "activations of uncheckpointed layers" and "1 of 2 layers" in i.note for i in recipe.ledger.items)
+
+
+@pytest.mark.parametrize("onecard,mode,needle", [
+    ("checkpoint_layers = 29", "selective", "is above the 28 decoder layers"),
+    ("checkpoint_layers = 3", "none", "which checkpoints no layer"),
+    ("host_embeddings = true", "full", "embed_tokens.weight trains"),
+], ids=["too-many", "mode-none", "trainable-table"])
+def test_the_ledger_command_refuses_what_the_trainer_refuses(tmp_path, capsys, onecard, mode, needle):
+    from cosmos_framework_ext.recipe import ledger
+    from tests.test_train import RECIPE
+
+    text = RECIPE.read_text().replace("[onecard]\n", f"[onecard]\n{onecard}\n", 1)
+    text = text.replace('mode                = "full"', f'mode                = "{mode}"')
+    if "host_embeddings" in onecard:
+        text = text.replace('keys_to_select = [', 'keys_to_select = ["embed_tokens", ', 1)
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    assert ledger.main(["--toml", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+
+
+def test_the_ledger_command_resolves_auto(tmp_path, capsys, monkeypatch):
+    from cosmos_framework_ext.recipe import ledger
+    from tests.test_train import RECIPE
+
+    for flag in FLAGS:
+        monkeypatch.setenv(flag, "1")
+    text = RECIPE.read_text().replace("[onecard]\n", "[onecard]\ncheckpoint_layers = \"auto\"\n", 1)
+    path = tmp_path / "r.toml"
+    path.write_text(text.replace('mode                = "full"', 'mode                = "selective"'))
+    assert ledger.main(["--toml", str(path), "--budget-gib", "22.06"]) == 0
+    out = capsys.readouterr().out
+    import re
+
+    n = int(re.search(r"checkpoint_layers (\d+),", out.splitlines()[0]).group(1))  # the plan "auto" resolved to
+    assert 0 < n < 28 and f"{28 - n} of 28 layers keep every activation" in out
 
 
 def test_the_trainer_refuses_too_many_layers(env):  # noqa: F811

@@ -130,9 +130,15 @@ def test_the_ledger_moves_the_tables_to_the_host_column():
     assert a.gpu_allocated - b.gpu_allocated == tables
     wb = next(i for i in b.items if i.name.startswith("weights"))
     assert wb.host_bytes == tables and not wb.pinned
-    # not where the lever does not run: several ranks, FSDP2's mixed precision
-    assert cosmos_ledger(on, "edge", {}, world_size=2, cap=12288).gpu_allocated == cosmos_ledger(
-        off, "edge", {}, world_size=2, cap=12288).gpu_allocated
+    # refused where the trainer refuses it (DRYRUN prices no run the trainer would not start), on a CPU not moved
+    with pytest.raises(ValueError, match="world size 2"):
+        cosmos_ledger(on, "edge", {}, world_size=2, cap=12288)
+    head = cfgmod.from_dict({"onecard": {"host_embeddings": True},
+                             "model": {"parallelism": {"fsdp_master_dtype": "float32"}}})
+    with pytest.raises(ValueError, match="fsdp_master_dtype differs"):
+        cosmos_ledger(head, "edge", {}, cap=12288)
+    assert cosmos_ledger(on, "edge", {}, device_type="cpu", cap=12288).gpu_allocated == cosmos_ledger(
+        off, "edge", {}, device_type="cpu", cap=12288).gpu_allocated
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
