@@ -150,3 +150,35 @@ def test_the_streamed_optimizer_state_is_priced_outside_the_activations(monkeypa
     in_flight = 3 * L.OPTIM_GROUP_BYTES
     assert 0 < kept < in_flight
     assert tiny_acts["AdamW state (streamed, lever)"].gpu_bytes == in_flight - kept + tensors
+
+
+def test_what_closes_the_gap_names_only_what_is_not_on(tmp_path):
+    """The advice never asks for a lever that is already on, counts the latent cache among the levers, and asks for
+    more checkpointed layers first when the recipe leaves some out."""
+    from cosmos_framework_ext.recipe import config as cfgmod
+    from cosmos_framework_ext.recipe.ledger import cosmos_ledger, what_closes_the_gap
+    from patches.core.runtime import GiB
+
+    twelve = cfgmod.load(REPO / "toml" / "vision_sft_edge_12gb.toml")
+    flags = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True}
+    advice = what_closes_the_gap(twelve, "edge", flags, int(11.0 * GiB))
+    assert "COSMOS_LATENT_CACHE=1 COSMOS_OPTIM_STATE_OFFLOAD=1" in advice and "EMA_CPU_SUBSET" not in advice, advice
+    every = dict(flags, COSMOS_LATENT_CACHE=True, COSMOS_OPTIM_STATE_OFFLOAD=True)
+    assert "set COSMOS" not in what_closes_the_gap(twelve, "edge", every, int(11.0 * GiB))  # only the cap is left
+    cfg = cfgmod.load(REPO / "toml" / "vision_sft_edge_24gb.toml")
+    cfg.onecard.checkpoint_layers = 20
+    budget = cosmos_ledger(cfg, "edge", every, checkpoint_layers=24).gpu_reserved
+    advice = what_closes_the_gap(cfg, "edge", every, budget)
+    assert advice.startswith("to fit: raise [onecard] checkpoint_layers from 20 to 24"), advice
+
+
+def test_the_ledger_command_reads_the_card_cap_as_its_budget(monkeypatch, capsys):
+    from cosmos_framework_ext.recipe import ledger
+
+    monkeypatch.delenv("BUDGET_GIB", raising=False)
+    monkeypatch.setenv("ONECARD_GPU_MEMORY_GIB", "11")
+    ledger.main(["--toml", str(REPO / "toml" / "vision_sft_edge_12gb.toml")])
+    assert "budget 11.00 GiB" in capsys.readouterr().out
+    monkeypatch.setenv("BUDGET_GIB", "15")  # BUDGET_GIB first, as before
+    ledger.main(["--toml", str(REPO / "toml" / "vision_sft_edge_12gb.toml")])
+    assert "budget 15.00 GiB" in capsys.readouterr().out

@@ -309,24 +309,36 @@ def resolve_checkpoint_layers(cfg: SFTConfig, preset_name: str, flags: dict[str,
 def what_closes_the_gap(
     cfg: SFTConfig, preset_name: str, flags: dict[str, bool], budget: int, world_size: int = 1
 ) -> str:
-    """One line naming the flag(s), or failing that the cap, that makes the run fit ``budget`` bytes."""
+    """One line naming what makes the run fit ``budget`` bytes: more checkpointed layers (when ``[onecard]
+    checkpoint_layers`` leaves some out), else the lever flag(s) not yet on, else a lower cap with the levers on."""
     base = cosmos_ledger(cfg, preset_name, flags, world_size).gpu_reserved
-    e, v, o, f = EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, OPTIM_STATE_OFFLOAD.name, FROZEN_BF16.name
-    for turn_on in ([e], [v], [e, v], [e, v, o], [e, v, o, f]):
-        if all(flags.get(f) for f in turn_on):
+    layers = get_preset(preset_name).transformer["num_hidden_layers"]
+    given = cfg.onecard.checkpoint_layers
+    if isinstance(given, int) and given < layers and cfg.model.activation_checkpointing.mode != "none":
+        for n in range(given + 1, layers + 1):
+            if cosmos_ledger(cfg, preset_name, flags, world_size, checkpoint_layers=n).fits(budget):
+                return (f"to fit: raise [onecard] checkpoint_layers from {given} to {n} (or set \"auto\": the fewest "
+                        "that fit the card)")
+    e, v, c, o, f = (EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, LATENT_CACHE.name, OPTIM_STATE_OFFLOAD.name,
+                     FROZEN_BF16.name)
+    for turn_on in ([e], [v], [c], [e, v], [e, c], [e, v, o], [e, c, o], [e, v, o, f], [e, c, o, f]):
+        if all(flags.get(x) for x in turn_on):
             continue
-        trial = dict(flags, **{f: True for f in turn_on})
+        trial = dict(flags, **{x: True for x in turn_on})
         led = cosmos_ledger(cfg, preset_name, trial, world_size)
         if led.fits(budget):
             saved = (base - led.gpu_reserved) / GiB
-            return f"to fit: set {' '.join(f + '=1' for f in turn_on)} (saves {saved:.2f} GiB)"
-    both = dict(flags, **{EMA_CPU_SUBSET.name: True, VAE_CPU_OFFLOAD.name: True})
+            missing = [x for x in turn_on if not flags.get(x)]
+            return f"to fit: set {' '.join(x + '=1' for x in missing)} (saves {saved:.2f} GiB)"
+    best = dict(flags, **{x: True for x in (e, c, o)})
     cap = cfg.dataloader_train.max_sequence_length
+    missing = [x for x in (e, c, o) if not flags.get(x)]
     while cap > 1024:
         cap -= 1024
-        if cosmos_ledger(cfg, preset_name, both, world_size, cap=cap).fits(budget):
-            return (f"to fit: set both levers and lower [dataloader_train].max_sequence_length to {cap}, then raise "
-                    f"grad_accum_iter to what `python -m cosmos_framework_ext.recipe.plan --cap {cap} ...` prints")
+        if cosmos_ledger(cfg, preset_name, best, world_size, cap=cap).fits(budget):
+            first = f"set {' '.join(x + '=1' for x in missing)} and " if missing else ""
+            return (f"to fit: {first}lower [dataloader_train].max_sequence_length to {cap}, then raise grad_accum_iter "
+                    f"to what `python -m cosmos_framework_ext.recipe.plan --cap {cap} ...` prints")
     return "no lever or cap makes this fit: the static components alone exceed the budget; use a larger card"
 
 
@@ -341,7 +353,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap = ArgumentParser(prog="python -m patches.ledger", description="Will this recipe fit the card? (memory ledger)")
     ap.add_argument("--toml", required=True, help="recipe TOML")
     ap.add_argument("--budget-gib", default=None,
-                    help="usable GPU memory in GiB (default: $BUDGET_GIB, else 22.06: a 24 GB A10G)")
+                    help="usable GPU memory in GiB (default: $BUDGET_GIB, else $ONECARD_GPU_MEMORY_GIB, else 22.06: a "
+                    "24 GB A10G)")
     ap.add_argument("--preset", default="edge", choices=sorted(PRESETS), help="model preset to size (default edge)")
     ap.add_argument("--world-size", type=flagmod.whole_number_arg(1, flagmod.MAX_WORLD_SIZE, "ranks"), default=1,
                     help=f"ranks (NPROC_PER_NODE x NNODES), 1 to {flagmod.MAX_WORLD_SIZE}; default 1")
@@ -349,8 +362,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         if args.budget_gib is not None:
             budget = parse_budget(args.budget_gib)
-        else:  # unset or blank: the default, as every other variable reads
+        elif (os.environ.get("BUDGET_GIB") or "").strip() or not (os.environ.get("ONECARD_GPU_MEMORY_GIB") or "").strip():
             budget = parse_budget((os.environ.get("BUDGET_GIB") or "").strip() or "22.06", "BUDGET_GIB")
+        else:  # the card cap a run would use (a blank variable is unset, as everywhere)
+            budget = parse_budget(os.environ["ONECARD_GPU_MEMORY_GIB"].strip(), "ONECARD_GPU_MEMORY_GIB")
         gpu_memory_cap_gib()  # a bad card cap is refused here too, as the trainer would refuse it
         cfg = cfgmod.load(args.toml)
         env_flags = flagmod.read_all()
