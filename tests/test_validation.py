@@ -829,11 +829,13 @@ def test_dryrun_refuses_a_bad_card_cap_as_the_run_would(tmp_path):
 
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("COSMOS_", "MEMTEST", "EMAVAL"))},
            "PYTHON": sys.executable, "DRYRUN": "1", "COSMOS_EMA_CPU_SUBSET": "1", "ONECARD_GPU_MEMORY_GIB": "nan"}
-    r = subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], env=env, capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: ONECARD_GPU_MEMORY_GIB='nan' must be a number of GiB in (0, 1024] for this card: fix it, or unset it "
-        "for the whole card"], r.stderr
-    env["ONECARD_GPU_MEMORY_GIB"] = "20"  # planted: a good cap fits
-    assert subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path).returncode == 0
+    for budget in ("", "22.06"):  # the cap is the budget when BUDGET_GIB is unset; refused as well when it is set
+        r = subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], env=dict(env, BUDGET_GIB=budget),
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "error: ONECARD_GPU_MEMORY_GIB='nan' must be a number of GiB in (0, 1024] for this card: fix it, or unset "
+            "it for the whole card"], r.stderr
+    env["ONECARD_GPU_MEMORY_GIB"] = "24"  # planted: a good cap is accepted, and it is the budget the ledger judges
+    r = subprocess.run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], env=env, capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and "budget 24.00 GiB: FITS" in r.stdout, r.stdout + r.stderr

@@ -362,10 +362,11 @@ def main(argv: Iterable[str] | None = None) -> int:
     try:
         if args.budget_gib is not None:
             budget = parse_budget(args.budget_gib)
-        elif (os.environ.get("BUDGET_GIB") or "").strip() or not (os.environ.get("ONECARD_GPU_MEMORY_GIB") or "").strip():
-            budget = parse_budget((os.environ.get("BUDGET_GIB") or "").strip() or "22.06", "BUDGET_GIB")
-        else:  # the card cap a run would use (a blank variable is unset, as everywhere)
-            budget = parse_budget(os.environ["ONECARD_GPU_MEMORY_GIB"].strip(), "ONECARD_GPU_MEMORY_GIB")
+        elif (os.environ.get("BUDGET_GIB") or "").strip():
+            budget = parse_budget(os.environ["BUDGET_GIB"].strip(), "BUDGET_GIB")
+        else:  # the card cap a run would use, read and refused as the run reads it; else a 24 GB card's 22.06
+            cap = gpu_memory_cap_gib()
+            budget = int(cap * GiB) if cap is not None else parse_budget("22.06")
         gpu_memory_cap_gib()  # a bad card cap is refused here too, as the trainer would refuse it
         cfg = cfgmod.load(args.toml)
         env_flags = flagmod.read_all()
