@@ -105,6 +105,31 @@ def _counts_of(preset_name: str, keys: tuple[str, ...]) -> dict[str, int]:
     }
 
 
+def _activation_items(cfg: SFTConfig, c: dict[str, Any], tokens: int, b: int, device_type: str,
+                      checkpoint_layers: int | None) -> tuple[list[Item], int]:
+    """The activation lines (on the GPU, or the host on a CPU run) and the checkpointed layers they price: the fitted
+    full-checkpointing model, the layers left out of checkpointing, and selective checkpointing's kept attention
+    outputs of the checkpointed layers."""
+    ac = cfg.model.activation_checkpointing
+    on_gpu = lambda n: (n, 0) if device_type == "cuda" else (0, n)  # noqa: E731 - activations live where compute runs
+    act = ACT_FIXED + int(ACT_PER_TOKEN_LAYER_HIDDEN * tokens * c["layers"] * c["hidden"])
+    items = [Item("activations + transients", *on_gpu(act),
+                  note=f"{tokens:,} tokens x {c['layers']} layers x {c['hidden']} hidden, full AC (fitted)")]
+    ckpt_layers = c["layers"] if ac.mode == "none" else _checkpoint_layers(cfg, c["layers"], checkpoint_layers)
+    if ac.mode == "none" or ckpt_layers < c["layers"]:
+        plain = c["layers"] - ckpt_layers
+        extra = int(ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN * tokens * c["hidden"]) * plain
+        items.append(Item("activations of uncheckpointed layers", *on_gpu(extra),
+                          note=f"{plain} of {c['layers']} layers keep every activation ([onecard] checkpoint_layers "
+                          f"{ckpt_layers}; fitted)" if ac.mode != "none" else "mode none: every layer (fitted)"))
+    if ac.mode == "selective" and ckpt_layers and any(re.search(p, op) for p in ac.save_ops_regex
+                                                      for op in ATTENTION_OP_NAMES):
+        kept = kept_attention_bytes(tokens, ckpt_layers, c["heads"], c["head_dim"], b)
+        items.append(Item("kept attention outputs (selective AC)", *on_gpu(kept),
+                          note=f"{ckpt_layers} layers x {tokens:,} tokens x {c['heads']} heads x (head_dim {c['head_dim']} + lse)"))
+    return items, ckpt_layers
+
+
 def cosmos_ledger(
     cfg: SFTConfig,
     preset_name: str,
@@ -155,13 +180,16 @@ def cosmos_ledger(
     check_host_embeddings(cfg.onecard.host_embeddings, c["tables_train"], world_size, mixed)  # the trainer's too
     dt = "bf16" if mb == 2 else "fp32"
     frozen = c["all"] - c["train"]
+    tables_on_host = cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed
+    tokens = cap - 1
+    acts, ckpt_layers = _activation_items(cfg, c, tokens, b, device_type, checkpoint_layers)
     state = shard(c["train"]) * 2 * mb
 
     if frozen_lever:
         weights = Item("weights (frozen bf16, lever)", shard(frozen) * b + shard(c["train"]) * mb + c["buffers"],
                        shard(frozen) * 4, note=f"{frozen:,} frozen bf16 on the GPU (fp32 on the host), "
                        f"{c['train']:,} trainable {dt}")
-    elif cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed:
+    elif tables_on_host:
         weights = Item("weights (lookup tables on the host, lever)", (c["all"] - c["tables"]) * mb + c["buffers"],
                        c["tables"] * mb, note=f"{c['all']:,} params {dt}; embed_tokens + lm_head "
                        f"({c['tables']:,}) on the host")
@@ -174,10 +202,13 @@ def cosmos_ledger(
         items.append(Item("FSDP2 bf16 compute copies", unsharded,
                           note="root unit + 2 decoder layers gathered in bf16 (MixedPrecisionPolicy)"))
     items.append(Item("gradients", shard(c["train"]) * mb, note=f"trainable {c['train']:,} params {dt}"))
-    in_flight = min(state, 3 * max(OPTIM_GROUP_BYTES, 2 * mb * c["largest_train"]))
-    streamed_at = len(items)  # the streamed state's line: priced once the activations are known (below)
-    if optim_lever:
-        items.append(Item("AdamW state (streamed, lever)", 0, state, pinned=True))
+    if optim_lever:  # the groups in flight live only inside the optimizer step, after every activation is freed
+        in_flight = min(state, 3 * max(OPTIM_GROUP_BYTES, 2 * mb * c["largest_train"]))
+        beyond = max(0, in_flight - sum(i.gpu_bytes for i in acts))
+        items.append(Item("AdamW state (streamed, lever)", beyond + c["train_tensors"] * 4, state, pinned=True,
+                          note=f"exp_avg + exp_avg_sq {dt} in a pinned host arena; <= 3 stream groups "
+                          f"({in_flight / GiB:.2f} GiB) on the GPU in the optimizer step only, when the activations "
+                          "are freed"))
     else:
         items.append(Item("AdamW state", state + c["train_tensors"] * 4,
                           note=f"exp_avg + exp_avg_sq {dt}, step fp32 x {c['train_tensors']} tensors"))
@@ -197,30 +228,7 @@ def cosmos_ledger(
                           note=f"{c['vae']:,} params, on the GPU only while a micro-batch encodes"))
     else:
         items.append(Item("Wan2.2 VAE (resident)", vae_bytes, note=f"{c['vae']:,} params"))
-    tokens = cap - 1
-    act = ACT_FIXED + int(ACT_PER_TOKEN_LAYER_HIDDEN * tokens * c["layers"] * c["hidden"])
-    items.append(Item("activations + transients", act if device_type == "cuda" else 0, 0 if device_type == "cuda" else act,
-                      note=f"{tokens:,} tokens x {c['layers']} layers x {c['hidden']} hidden, full AC (fitted)"))
-    ac = cfg.model.activation_checkpointing
-    on_gpu = lambda n: (n, 0) if device_type == "cuda" else (0, n)  # noqa: E731 - activations live where compute runs
-    ckpt_layers = c["layers"] if ac.mode == "none" else _checkpoint_layers(cfg, c["layers"], checkpoint_layers)
-    if ac.mode == "none" or ckpt_layers < c["layers"]:
-        plain = c["layers"] - ckpt_layers
-        extra = int(ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN * tokens * c["hidden"]) * plain
-        items.append(Item("activations of uncheckpointed layers", *on_gpu(extra),
-                          note=f"{plain} of {c['layers']} layers keep every activation ([onecard] checkpoint_layers "
-                          f"{ckpt_layers}; fitted)" if ac.mode != "none" else "mode none: every layer (fitted)"))
-    if ac.mode == "selective" and ckpt_layers and any(re.search(p, op) for p in ac.save_ops_regex
-                                                      for op in ATTENTION_OP_NAMES):
-        kept = kept_attention_bytes(tokens, ckpt_layers, c["heads"], c["head_dim"], b)
-        items.append(Item("kept attention outputs (selective AC)", *on_gpu(kept),
-                          note=f"{ckpt_layers} layers x {tokens:,} tokens x {c['heads']} heads x (head_dim {c['head_dim']} + lse)"))
-    if optim_lever:  # the groups in flight live only inside the optimizer step, after every activation is freed
-        acts = sum(i.gpu_bytes for i in items if i.name.startswith(("activations", "kept attention")))
-        items[streamed_at] = Item(
-            "AdamW state (streamed, lever)", max(0, in_flight - acts) + c["train_tensors"] * 4, state, pinned=True,
-            note=f"exp_avg + exp_avg_sq {dt} in a pinned host arena; <= 3 stream groups ({in_flight / GiB:.2f} GiB) "
-            "on the GPU in the optimizer step only, when the activations are freed")
+    items += acts
     if device_type == "cuda":
         items.append(Item("host process baseline", 0, HOST_BASELINE,
                           note="torch + CUDA libraries + clip cache (measured on an H200 machine)"))
@@ -235,9 +243,9 @@ def cosmos_ledger(
     outside = [Item("CUDA context", CUDA_CONTEXT if device_type == "cuda" else 0, note="outside the allocator budget")]
     levers = [f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD, FROZEN_BF16)
               if flags.get(f.name)]
-    if weights.name.startswith("weights (lookup tables"):
+    if tables_on_host:
         levers.append("host_embeddings")
-    if ac.mode != "none" and ckpt_layers < c["layers"]:
+    if cfg.model.activation_checkpointing.mode != "none" and ckpt_layers < c["layers"]:
         levers.append(f"checkpoint_layers {ckpt_layers}")
     levers = ", ".join(levers) or "no levers"
     title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {grad_accum_iter or cfg.trainer.grad_accum_iter}, "
