@@ -21,6 +21,9 @@ process (``--only`` picks some, ``--list`` names them all):
 Optional (``--only``): ``all levers + optimizer-state streaming + selective AC`` (also
 ``[model.activation_checkpointing] mode = "selective"``: the attention outputs kept, not recomputed); the same
 ``+ fewer checkpointed layers`` (``[onecard] checkpoint_layers``: ``--checkpoint-layers``, default ``"auto"``);
+the same ``+ host inputs on the main thread`` (each micro-batch's noise, positions and segment indices built on the
+main thread, as before they moved to the loader threads: the A/B of that change) and ``+ C++ wrapper``
+(``[onecard] compile_wrapper = "cpp"``);
 ``12 GB card: all levers + optimizer-state streaming + lookup tables on the host`` (``[onecard] host_embeddings``,
 full checkpointing, its own cap of 11.0 GiB); ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
@@ -131,6 +134,11 @@ class Config:
     """``[onecard] host_embeddings = true``."""
     cap_gib: float | None = None
     """This row's card cap in GiB instead of ``--budget-gib`` (a smaller card)."""
+    compile_wrapper: str = ""
+    """``[onecard] compile_wrapper`` to set (empty: the trainer's default, inductor's Python wrapper)."""
+    inputs_on_main_thread: bool = False
+    """Build every micro-batch's host inputs on the main thread (the trainer's path before they moved to the loader
+    threads: the A/B of that change)."""
 
 
 PROFILED = " (profiled)"
@@ -156,6 +164,12 @@ OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True, selective=True,
            checkpoint_layers="auto"),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + host inputs on the "
+           "main thread", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
+           selective=True, checkpoint_layers="auto", inputs_on_main_thread=True),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + C++ wrapper",
+           {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True, selective=True,
+           checkpoint_layers="auto", compile_wrapper="cpp"),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
@@ -283,6 +297,8 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
         onecard.append(f"checkpoint_layers = {layers if layers.isdigit() else json.dumps(layers)}")
     if cfg.host_embeddings:
         onecard.append("host_embeddings = true")
+    if cfg.compile_wrapper:
+        onecard.append(f"compile_wrapper = {json.dumps(cfg.compile_wrapper)}")
     if onecard:
         lines = "\n".join(onecard)
         text = text.replace("[onecard]\n", f"[onecard]\n{lines}\n", 1) if "[onecard]\n" in text \
@@ -357,6 +373,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
     toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp, args.checkpoint_layers or "")
     # the final checkpoint is written (and deleted after the row): the row's host peak is through a save
     recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--max-iter", str(args.steps)]))
+    if cfg.inputs_on_main_thread:
+        recipe.prepare_ahead = False
     prof = None
     if profile:  # micro-batches 1..3 of the last step (0 alone when grad_accum_iter is 1: a smoke)
         ga = args.grad_accum
@@ -396,6 +414,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         samples_per_step=s["samples_per_optimizer_step"],
         checkpoint_layers=s.get("checkpoint_layers"),
         host_tables_gib=(s.get("host_tables") or {}).get("host_bytes", 0) / GiB,
+        host_inputs_built=s.get("host_inputs_built"),
     )
     if flops_p is not None and times:
         flops = sum(model_flops(b, flops_p) for b in batches)

@@ -17,6 +17,7 @@ the memory-efficient kernel (with ``enable_gqa`` and a mask PyTorch falls back t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -112,7 +113,7 @@ def install(model: torch.nn.Module) -> PackedAttnProcessor:
     return proc
 
 
-def _sample_layout(model_config: Any, text_ids: list[list[int]], latents: list[torch.Tensor], sigmas: torch.Tensor,
+def _sample_layout(model_config: Any, text_ids: list[list[int]], latent_shapes: list[torch.Size], sigmas: torch.Tensor,
                    fps: list[float]) -> tuple[list, list, list, list, list, list]:
     """Per sample, on the host: text and vision mRoPE positions (float), text and vision segment indices (int64),
     the vision token grid ``(T, H/p, W/p)`` and the vision tokens' timesteps (``1000 * sigma``)."""
@@ -123,10 +124,10 @@ def _sample_layout(model_config: Any, text_ids: list[list[int]], latents: list[t
 
     p = model_config.latent_patch_size
     und_pos, gen_pos, und_seg, gen_seg, shapes, timesteps = [], [], [], [], [], []
-    for i, (ids, lat) in enumerate(zip(text_ids, latents)):
+    for i, (ids, shape) in enumerate(zip(text_ids, latent_shapes)):
         pos, nxt = get_3d_mrope_ids_text_tokens(len(ids), 0)
         und_pos.append(pos.float())
-        _, _, t, h, w = lat.shape
+        _, _, t, h, w = shape
         gt, gh, gw = t, -(-h // p), -(-w // p)
         vpos, _ = get_3d_mrope_ids_vae_tokens(
             gt, gh, gw, temporal_offset=nxt + model_config.unified_3d_mrope_temporal_modality_margin,
@@ -142,6 +143,61 @@ def _sample_layout(model_config: Any, text_ids: list[list[int]], latents: list[t
     return und_pos, gen_pos, und_seg, gen_seg, shapes, timesteps
 
 
+@dataclass
+class HostLayout:
+    """A packed micro-batch's inputs that need no latent values, built on the host (:func:`host_layout`).
+
+    Attributes:
+        input_ids: int64 [und_len], the text token ids of every sample, in order.
+        position_ids: fp32 [3, und_len + gen_len], mRoPE positions (text of every sample, then vision).
+        timesteps: fp32 [gen_len], ``1000 * sigma`` of each vision token's sample.
+        und_segments: int64 [und_len], the sample index of each text token.
+        gen_segments: int64 [gen_len], the sample index of each vision token.
+        shapes: per sample, the vision token grid ``(T, H/p, W/p)``.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    timesteps: torch.Tensor
+    und_segments: torch.Tensor
+    gen_segments: torch.Tensor
+    shapes: list[tuple[int, int, int]]
+
+    @property
+    def und_len(self) -> int:
+        return self.und_segments.numel()
+
+    @property
+    def gen_len(self) -> int:
+        return self.gen_segments.numel()
+
+
+def host_layout(model_config: Any, text_ids: list[list[int]], latent_shapes: list[torch.Size], sigmas: torch.Tensor,
+                fps: list[float], pin: bool = False) -> HostLayout:
+    """The host half of :func:`build_packed_inputs`: everything but the latents, from their shapes alone.
+
+    It reads no GPU tensor, so it can run on a loader thread ahead of the micro-batch (the trainer does).
+
+    Args:
+        text_ids: per sample, the und token ids (caption + eos + vision start/end markers).
+        latent_shapes: per sample, the latent's shape ``[1, 48, T, H, W]``.
+        sigmas: fp32 [n] flow-matching sigma per sample (a host tensor).
+        fps: per sample, frames per second of the clip.
+        pin: put the tensors in pinned memory (a GPU run: they then reach it without a synchronize).
+    """
+    und_pos, gen_pos, und_seg, gen_seg, shapes, timesteps = _sample_layout(model_config, text_ids, latent_shapes,
+                                                                           sigmas, fps)
+    own = (lambda t: t.pin_memory()) if pin else (lambda t: t)
+    return HostLayout(
+        input_ids=own(torch.tensor([t for ids in text_ids for t in ids], dtype=torch.long)),
+        position_ids=own(torch.cat(und_pos + gen_pos, dim=1)),
+        timesteps=own(torch.cat(timesteps)),
+        und_segments=own(torch.cat(und_seg)),
+        gen_segments=own(torch.cat(gen_seg)),
+        shapes=shapes,
+    )
+
+
 def build_packed_inputs(
     model_config: Any,
     text_ids: list[list[int]],
@@ -152,6 +208,7 @@ def build_packed_inputs(
     impl: str = "dense",
     block: int | None = None,
     ids_device: torch.device | None = None,
+    layout: HostLayout | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Forward kwargs of ``Cosmos3OmniTransformer`` for one packed micro-batch.
 
@@ -168,6 +225,8 @@ def build_packed_inputs(
             :class:`~cosmos_framework_ext.levers.attention_blocksparse.BlockSparseSegments` (block masks, O(L) memory).
         block: flex tile edge in tokens (default :data:`~cosmos_framework_ext.levers.attention_blocksparse.DEFAULT_BLOCK`).
         ids_device: where ``input_ids`` go (default ``device``; the host for ``[onecard] host_embeddings``).
+        layout: :func:`host_layout` of the same ``text_ids``, latent shapes, ``sigmas`` and ``fps``, if already
+            built (the trainer builds it on a loader thread); ``None`` builds it here.
 
     Returns:
         (forward kwargs, segments to set on the processor).
@@ -177,29 +236,30 @@ def build_packed_inputs(
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {list(ATTENTION_IMPLS)}")
-    und_pos, gen_pos, und_seg, gen_seg, shapes, timesteps = _sample_layout(model_config, text_ids, latents, sigmas, fps)
-    und_len = sum(len(x) for x in text_ids)
-    gen_len = sum(s.numel() for s in gen_seg)
     device = torch.device(device)
+    if layout is None:
+        layout = host_layout(model_config, text_ids, [x.shape for x in latents], sigmas, fps, pin=device.type == "cuda")
+    und_len, gen_len = layout.und_len, layout.gen_len
     # built on the host, sent from pinned memory without a synchronize (a plain .to from pageable memory waits
     # for everything the GPU has queued): the host can prepare this micro-batch while the GPU computes the last
-    put = (lambda t: t.pin_memory().to(device, non_blocking=True)) if device.type == "cuda" else (lambda t: t.to(device))
+    put = (lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)) \
+        if device.type == "cuda" else (lambda t: t.to(device))
     seq = torch.arange(und_len, und_len + gen_len, device=device)
-    ids = torch.tensor([t for ids in text_ids for t in ids], dtype=torch.long)  # built on the host
+    ids = layout.input_ids
     kwargs = dict(
         input_ids=ids if ids_device is not None and torch.device(ids_device) != device else put(ids),
         text_indexes=torch.arange(und_len, device=device),
-        position_ids=put(torch.cat(und_pos + gen_pos, dim=1)),
+        position_ids=put(layout.position_ids),
         und_len=und_len,
         sequence_length=und_len + gen_len,
         vision_tokens=latents,
-        vision_token_shapes=shapes,
+        vision_token_shapes=layout.shapes,
         vision_sequence_indexes=seq,
         vision_mse_loss_indexes=seq,
-        vision_timesteps=put(torch.cat(timesteps)),
-        vision_noisy_frame_indexes=[torch.arange(s[0], device=device) for s in shapes],
+        vision_timesteps=put(layout.timesteps),
+        vision_noisy_frame_indexes=[torch.arange(s[0], device=device) for s in layout.shapes],
     )
-    und_segments, gen_segments = put(torch.cat(und_seg)), put(torch.cat(gen_seg))
+    und_segments, gen_segments = put(layout.und_segments), put(layout.gen_segments)
     if impl == "flex":
         from cosmos_framework_ext.levers.attention_blocksparse import DEFAULT_BLOCK, BlockSparseSegments
 

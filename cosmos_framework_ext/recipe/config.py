@@ -305,6 +305,12 @@ class OnecardConfig:
     (which sets ``[model.compile] enabled = true``) runs the eager reference; the 24 GB recipes turn it on
     (proofs: tests/equivalence/test_compile_blocks.py, on the CPU and on a GPU). Upstream's trainer reads only
     ``[model.compile]``."""
+    compile_wrapper: Literal["python", "cpp"] = "python"
+    """The code that launches each compiled layer's kernels (inductor's wrapper). ``python`` (default): inductor's
+    Python wrapper. ``cpp``: its C++ wrapper (``torch.compile`` option ``cpp_wrapper``), the same kernels launched
+    with less host time per kernel (a forward that is launch-bound waits less), a longer first compile. The same
+    values (tests/equivalence/test_compile_wrapper.py). Needs ``compile_blocks = true`` and ``[model.compile]
+    enabled = true``."""
     checkpoint_layers: int | Literal["all", "auto"] = dataclasses.field(default="all", metadata=meaning(ge=0))
     """How many decoder layers (the first ones) ``[model.activation_checkpointing]`` checkpoints; the others keep
     every activation their backward needs and recompute nothing (faster, more GPU memory; the same gradients:

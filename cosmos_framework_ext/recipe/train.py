@@ -37,6 +37,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -88,6 +89,25 @@ def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size
     sigmas = torch.sigmoid(torch.randn(len(shapes), generator=g))
     noise = [torch.randn(s, generator=g, pin_memory=pin) for s in shapes]
     return sigmas, noise
+
+
+@dataclass
+class HostInputs:
+    """One micro-batch's host inputs (:meth:`CosmosSFT._host_inputs`): built for ``key`` = (iteration, micro-batch).
+
+    Attributes:
+        key: the (iteration, micro-batch) whose seeded draw this is.
+        text_ids: per sample, the und token ids (caption + eos + vision start/end markers).
+        sigmas: fp32 [n], one flow-matching sigma per sample.
+        noise: per sample, fp32 Gaussian noise of the latent's shape (pinned on a GPU run).
+        layout: positions, timesteps and segment indices (:func:`~cosmos_framework_ext.recipe.attention.host_layout`).
+    """
+
+    key: tuple[int, int]
+    text_ids: list[list[int]]
+    sigmas: torch.Tensor
+    noise: list[torch.Tensor]
+    layout: attention.HostLayout
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -337,6 +357,9 @@ class CosmosSFT(skeleton.Recipe):
     checkpoint_keys = ("model", "optimizer", "scheduler", "iteration", "micro_batches_consumed")
     checkpoint_types = {"model": dict, "optimizer": dict, "scheduler": dict, "iteration": int,
                         "micro_batches_consumed": int}
+    prepare_ahead = True
+    """With the latent cache, build each micro-batch's host inputs on a loader thread (the same values: the proof
+    sets it False for the main-thread path)."""
 
     def checkpoint_problem(self, state: Any) -> str | None:
         """The skeleton's checks, and ``model`` holding ``net.*`` tensors."""
@@ -463,7 +486,7 @@ class CosmosSFT(skeleton.Recipe):
                 activation checkpointing other than full/selective/none, shard/replicate degrees other than all ranks); a
                 peak learning rate ``lr x max(f_max, f_start)`` above 1 or a schedule that never rises above 0;
                 ``lr x weight_decay`` >= 1 (AdamW's decay factor ``1 - lr x wd`` would flip or zero the weights);
-                an empty ``keys_to_select`` pattern (it matches every parameter); a ``[job]`` project/group/name
+                ``compile_wrapper = "cpp"`` for layers that are not compiled; an empty ``keys_to_select`` pattern (it matches every parameter); a ``[job]`` project/group/name
                 that is not one plain folder name.
         """
         c, src = self.cfg, self.cfg.source
@@ -476,6 +499,11 @@ class CosmosSFT(skeleton.Recipe):
                 raise UserError(f"{src}: {where} = {value!r} is not implemented by the embedded trainer (it runs "
                                 f"{' or '.join(map(repr, ok))}): use one of those, or run upstream's trainer "
                                 "(COSMOS_FRAMEWORK_ROOT)")
+        if c.onecard.compile_wrapper == "cpp" and not (c.onecard.compile_blocks and c.model.compile.enabled):
+            raise UserError(f"{src}: [onecard].compile_wrapper = \"cpp\" chooses the wrapper of compiled layers, and the "
+                            f"layers are not compiled ([onecard].compile_blocks = {str(c.onecard.compile_blocks).lower()}, "
+                            f"[model.compile].enabled = {str(c.model.compile.enabled).lower()}): set both to true, or "
+                            "drop compile_wrapper")
         par = c.model.parallelism
         if par.data_parallel_replicate_degree != 1 or par.data_parallel_shard_degree not in (-1, self.world):
             raise UserError(f"{src}: [model.parallelism] data_parallel_shard_degree = {par.data_parallel_shard_degree}, "
@@ -589,6 +617,8 @@ class CosmosSFT(skeleton.Recipe):
         """Data, model, VAE (on the host until the levers place it), optimizer and schedule (inputs checked)."""
         self._stack = stack
         self.consumed = 0
+        self.inputs_built = {"loader_threads": 0, "main_thread": 0}
+        """Where this process built its micro-batches' host inputs (:meth:`_host_inputs`), counted."""
         self._build_data()
         self._build_model()
         self._build_vae()
@@ -660,8 +690,9 @@ class CosmosSFT(skeleton.Recipe):
         model.train()
         self.compile_note = "eager"
         if cfg.onecard.compile_blocks and cfg.model.compile.enabled and device.type == "cuda":  # each decoder layer
-            n = compile_blocks(model, dynamic=cfg.model.compile.compile_dynamic)
-            self.compile_note = f"{n} decoder layers compiled (dynamic={cfg.model.compile.compile_dynamic})"
+            n = compile_blocks(model, dynamic=cfg.model.compile.compile_dynamic, wrapper=cfg.onecard.compile_wrapper)
+            self.compile_note = (f"{n} decoder layers compiled (dynamic={cfg.model.compile.compile_dynamic}"
+                                 f"{', C++ wrapper' if cfg.onecard.compile_wrapper == 'cpp' else ''})")
         # Lever: frozen parameters stored as their compute-dtype cast (before FSDP2 records the dtypes).
         self.frozen = FrozenBF16(model, self.dtype) if (self.frozen_lever and self.mixed) else None
         if self.world > 1 or self.mixed:
@@ -879,16 +910,22 @@ class CosmosSFT(skeleton.Recipe):
             next(it)
         pin = self.device.type == "cuda"
 
-        def cached(batch):  # lever 4: the threads read latents instead of decoding videos (pinned: async to the GPU)
+        def cached(item):  # lever 4: the threads read latents instead of decoding videos (pinned: async to the GPU)
+            k, batch = item
             out = [(s, self.latents.get(CacheItem(s.video_path, s.window, s.size))) for s in batch]
-            return [(s, x.pin_memory() if pin else x) for s, x in out]
+            latents = [x.pin_memory() if pin else x for _, x in out]
+            # the micro-batch's host inputs too (noise, sigmas, positions, segments): off the main thread
+            host = self._host_inputs(*divmod(k, self.ga), batch, [x.shape for x in latents]) if self.prepare_ahead \
+                else None
+            return [s for s, _ in out], latents, host
 
-        def decoded(batch):  # the next micro-batches' videos decode on the threads
+        def decoded(item):  # the next micro-batches' videos decode on the threads
+            _, batch = item
             for s in batch:
                 s.load_video()
-            return batch
+            return batch, None, None
 
-        self._it = prefetched(it, cached if self.latents is not None else decoded,
+        self._it = prefetched(enumerate(it, start=self.consumed), cached if self.latents is not None else decoded,
                               workers=max(1, min(8, (os.cpu_count() or 2) - 1)))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -935,32 +972,46 @@ class CosmosSFT(skeleton.Recipe):
         return StepResult(loss=loss_sum, samples=n_samples, seconds=seconds,
                           postfix={"peak_gib": f"{peak_gib:.2f}", "ema_beta": ema_beta})
 
+    def _host_inputs(self, iteration: int, micro: int, batch: list, shapes: list[torch.Size]) -> HostInputs:
+        """Micro-batch ``micro`` of step ``iteration``'s host inputs: the seeded sigmas and noise (pinned on a GPU
+        run) and :func:`~cosmos_framework_ext.recipe.attention.host_layout`. It touches no GPU tensor and no
+        trainer state, so a loader thread may build it ahead (:meth:`_begin`) while the GPU computes."""
+        cuda = self.device.type == "cuda"
+        sigmas, noise = _sample_noise(self.cfg.onecard.seed, iteration, micro, shapes, pin=cuda)
+        tok = self.tokenizer
+        text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
+        layout = attention.host_layout(self.model.config, text, shapes, sigmas, [s.record.fps for s in batch], pin=cuda)
+        return HostInputs((iteration, micro), text, sigmas, noise, layout)
+
     def _micro_batch(self, iteration: int, micro: int) -> tuple[int, torch.Tensor]:
         """Encode, noise, forward and backward one packed micro-batch; returns (samples, the loss as a 0-d tensor).
 
         Nothing here waits for the GPU: host tensors reach it from pinned memory, and the loss is read only after
-        the optimizer step (:meth:`train_step`), so the host prepares the next micro-batch while the GPU computes."""
+        the optimizer step (:meth:`train_step`), so the host prepares the next micro-batch while the GPU computes.
+        With the latent cache the host inputs come ready from a loader thread (:meth:`_host_inputs`), built for
+        the (iteration, micro-batch) this call trains; any other key is rebuilt here, the same way."""
         t0 = time.perf_counter()
-        batch = next(self._it)
+        batch, stored, host = next(self._it)
         self.consumed += 1
         device, mem = self.device, self.mem
         with mem.phase("encode"), self.vae_on_device(), torch.no_grad():
-            if self.latents is not None:  # lever 4: the stored output of the same online_latent call
-                batch, stored = [s for s, _ in batch], [x for _, x in batch]
+            if stored is not None:  # lever 4: the stored output of the same online_latent call
                 x0 = [_to_device(x, device).float() for x in stored]
             else:
                 x0 = [online_latent(self.vae, s.video, device, self.vae_dtype).float() for s in batch]
-        sigmas, noise = _sample_noise(self.cfg.onecard.seed, iteration, micro, [x.shape for x in x0],
-                                      pin=device.type == "cuda")
+        if host is not None and host.key == (iteration, micro):
+            self.inputs_built["loader_threads"] += 1
+        else:
+            host = self._host_inputs(iteration, micro, batch, [x.shape for x in x0])
+            self.inputs_built["main_thread"] += 1
         xt, targets = [], []
-        for x, e, sg in zip(x0, noise, sigmas):
+        for x, e, sg in zip(x0, host.noise, host.sigmas):
             a, v = flow_matching_inputs(x, _to_device(e, device), float(sg))
             xt.append(a.to(self.dtype))
             targets.append(v)
-        tok = self.tokenizer
-        text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
         kwargs, self.proc.segments = attention.build_packed_inputs(
-            self.model.config, text, xt, sigmas, [s.record.fps for s in batch], device, impl=self.cfg.onecard.attention,
+            self.model.config, host.text_ids, xt, host.sigmas, [s.record.fps for s in batch], device,
+            impl=self.cfg.onecard.attention, layout=host.layout,
             ids_device=torch.device("cpu") if self.host_tables is not None else None,
         )
         with mem.phase("forward"):
@@ -1037,6 +1088,7 @@ class CosmosSFT(skeleton.Recipe):
             attention=self.cfg.onecard.attention,
             compile=self.compile_note,
             checkpoint_layers=self.checkpoint_layers,
+            host_inputs_built=dict(self.inputs_built),
             host_tables=None if self.host_tables is None else {"names": self.host_tables.names,
                                                                "host_bytes": self.host_tables.host_bytes},
         )

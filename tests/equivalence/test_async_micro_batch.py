@@ -77,3 +77,27 @@ def test_planted_a_pageable_copy_synchronizes():
             _inputs(torch.device("cuda"), put=lambda t, d: t.to(d))
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@cuda
+def test_a_layout_built_ahead_is_pinned_and_reaches_the_gpu_without_a_synchronize():
+    """What a loader thread builds (:func:`attention.host_layout` with ``pin``) is in pinned memory, and the main
+    thread's half (``build_packed_inputs(layout=...)``) sends it without waiting for the GPU."""
+    device = torch.device("cuda")
+    model, _ = R.make_model()
+    samples = R.micro_batch(0, 0, n_samples=3)
+    shapes = [s[1].shape for s in samples]
+    sigmas, noise = _sample_noise(7, 3, 1, shapes, pin=True)
+    layout = attention.host_layout(model.config, [s[0] for s in samples], shapes, sigmas, [24.0] * 3, pin=True)
+    assert all(t.is_pinned() for t in noise) and all(
+        getattr(layout, f).is_pinned() for f in ("input_ids", "position_ids", "timesteps", "und_segments", "gen_segments"))
+    x0 = [_to_device(s[1], device) for s in samples]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        xt = [flow_matching_inputs(x, _to_device(e, device), float(sg))[0] for x, e, sg in zip(x0, noise, sigmas)]
+        kwargs, _ = attention.build_packed_inputs(model.config, [s[0] for s in samples], xt, sigmas, [24.0] * 3,
+                                                  device, impl="flex", block=16, layout=layout)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(kwargs["vision_timesteps"].cpu(), layout.timesteps)
