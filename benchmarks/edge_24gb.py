@@ -22,8 +22,9 @@ Optional (``--only``): ``all levers + optimizer-state streaming + selective AC``
 ``[model.activation_checkpointing] mode = "selective"``: the attention outputs kept, not recomputed); the same
 ``+ fewer checkpointed layers`` (``[onecard] checkpoint_layers``: ``--checkpoint-layers``, default ``"auto"``);
 the same ``+ host inputs on the main thread`` (each micro-batch's noise, positions and segment indices built on the
-main thread, as before they moved to the loader threads: the A/B of that change) and ``+ C++ wrapper``
-(``[onecard] compile_wrapper = "cpp"``);
+main thread, as before they moved to the loader threads: the A/B of that change), ``+ latent gather``
+(``[onecard] latent_gather = true``) and ``+ latent gather + C++ wrapper`` (also ``[onecard] compile_wrapper =
+"cpp"``);
 ``12 GB card: all levers + optimizer-state streaming + lookup tables on the host`` (``[onecard] host_embeddings``,
 full checkpointing, its own cap of 11.0 GiB); ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
@@ -134,6 +135,8 @@ class Config:
     """``[onecard] host_embeddings = true``."""
     cap_gib: float | None = None
     """This row's card cap in GiB instead of ``--budget-gib`` (a smaller card)."""
+    latent_gather: bool = False
+    """``[onecard] latent_gather = true``."""
     compile_wrapper: str = ""
     """``[onecard] compile_wrapper`` to set (empty: the trainer's default, inductor's Python wrapper)."""
     inputs_on_main_thread: bool = False
@@ -167,9 +170,12 @@ OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + host inputs on the "
            "main thread", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            selective=True, checkpoint_layers="auto", inputs_on_main_thread=True),
-    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + C++ wrapper",
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + latent gather",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True, selective=True,
-           checkpoint_layers="auto", compile_wrapper="cpp"),
+           checkpoint_layers="auto", latent_gather=True),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + latent gather + C++ "
+           "wrapper", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
+           selective=True, checkpoint_layers="auto", latent_gather=True, compile_wrapper="cpp"),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
@@ -297,6 +303,8 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
         onecard.append(f"checkpoint_layers = {layers if layers.isdigit() else json.dumps(layers)}")
     if cfg.host_embeddings:
         onecard.append("host_embeddings = true")
+    if cfg.latent_gather:
+        onecard.append("latent_gather = true")
     if cfg.compile_wrapper:
         onecard.append(f"compile_wrapper = {json.dumps(cfg.compile_wrapper)}")
     if onecard:
@@ -415,6 +423,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         checkpoint_layers=s.get("checkpoint_layers"),
         host_tables_gib=(s.get("host_tables") or {}).get("host_bytes", 0) / GiB,
         host_inputs_built=s.get("host_inputs_built"),
+        latent_gather=s.get("latent_gather"),
+        compile_note=s.get("compile"),
     )
     if flops_p is not None and times:
         flops = sum(model_flops(b, flops_p) for b in batches)

@@ -63,6 +63,7 @@ from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
+from cosmos_framework_ext.levers.latent_gather import GatherPlan, gather_plan, install as install_latent_gather
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
 from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, cosmos_ledger, resolve_checkpoint_layers,
                                                  summary_line)
@@ -108,6 +109,8 @@ class HostInputs:
     sigmas: torch.Tensor
     noise: list[torch.Tensor]
     layout: attention.HostLayout
+    gather: GatherPlan | None = None
+    """``[onecard] latent_gather``: the micro-batch's packing indices (:func:`~cosmos_framework_ext.levers.latent_gather.gather_plan`)."""
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -687,6 +690,7 @@ class CosmosSFT(skeleton.Recipe):
                                           determinism_check=ac.determinism_check, layers=self.checkpoint_layers)
         self.host_tables = park_lookup_tables(model, device) if cfg.onecard.host_embeddings else None
         self.proc = attention.install(model)
+        self.gather = install_latent_gather(model) if cfg.onecard.latent_gather else None  # lever: packing by gather
         model.train()
         self.compile_note = "eager"
         if cfg.onecard.compile_blocks and cfg.model.compile.enabled and device.type == "cuda":  # each decoder layer
@@ -981,7 +985,8 @@ class CosmosSFT(skeleton.Recipe):
         tok = self.tokenizer
         text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
         layout = attention.host_layout(self.model.config, text, shapes, sigmas, [s.record.fps for s in batch], pin=cuda)
-        return HostInputs((iteration, micro), text, sigmas, noise, layout)
+        plan = gather_plan(shapes, self.model.config.latent_patch_size, pin=cuda) if self.gather is not None else None
+        return HostInputs((iteration, micro), text, sigmas, noise, layout, plan)
 
     def _micro_batch(self, iteration: int, micro: int) -> tuple[int, torch.Tensor]:
         """Encode, noise, forward and backward one packed micro-batch; returns (samples, the loss as a 0-d tensor).
@@ -1014,12 +1019,16 @@ class CosmosSFT(skeleton.Recipe):
             impl=self.cfg.onecard.attention, layout=host.layout,
             ids_device=torch.device("cpu") if self.host_tables is not None else None,
         )
+        if self.gather is not None:
+            self.gather.plan = host.gather.to(device)
         with mem.phase("forward"):
             preds = self.model(**kwargs).sample
             loss = micro_batch_loss(preds, targets, self.cfg.onecard.loss_scale, self.ga)
         with mem.phase("backward"):
             loss.backward()
         self.proc.segments = None
+        if self.gather is not None:
+            self.gather.plan = None
         if device.type != "cuda":
             self.micro_times.append(time.perf_counter() - t0)
         return len(batch), loss.detach()
@@ -1089,6 +1098,7 @@ class CosmosSFT(skeleton.Recipe):
             compile=self.compile_note,
             checkpoint_layers=self.checkpoint_layers,
             host_inputs_built=dict(self.inputs_built),
+            latent_gather=None if self.gather is None else {"micro_batches": self.gather.gathered},
             host_tables=None if self.host_tables is None else {"names": self.host_tables.names,
                                                                "host_bytes": self.host_tables.host_bytes},
         )
