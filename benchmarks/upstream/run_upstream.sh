@@ -28,6 +28,8 @@
 #   OUTPUT_ROOT                        default outputs/upstream (made absolute: the launcher cd's away)
 #   LOG                                default $OUTPUT_ROOT/<recipe>-<date>.log
 #   PYTHON                             default python3 (the machine's torch environment)
+#   ASSET_ARGS                         options for prepare_assets.py, e.g. "--tokenizer wordpiece --captions sample"
+#                                      (the embedded trainer's tokenizer and captions: both trainers get the same text)
 #   FFMPEG                             a real ffmpeg executable to decode with instead of the Python stand-in
 #                                      (e.g. the static build inside the imageio-ffmpeg wheel); ffprobe stays the stand-in
 #   TAIL_OVERRIDES, NPROC_PER_NODE, MASTER_PORT, ...   as the launcher reads them
@@ -67,7 +69,8 @@ fi
 export PYTHONPATH="$pylib${PYTHONPATH:+:$PYTHONPATH}"
 
 # 2. the stand-in assets (cheap when they exist), then the environment they define
-"$PYTHON" "$here/prepare_assets.py" "$assets"
+# shellcheck disable=SC2086  # ASSET_ARGS is a list of options
+"$PYTHON" "$here/prepare_assets.py" "$assets" ${ASSET_ARGS:-}
 # shellcheck disable=SC1091
 source "$assets/env.sh"
 if [[ "$dryrun" == 0 && ! -f "$WAN_VAE_PATH" ]]; then
