@@ -18,9 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosmos_framework_ext.recipe import attention
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
-from cosmos_framework_ext.recipe.loss import flow_matching_inputs, micro_batch_loss
 from tests.equivalence import tiny_recipe as R
 
 SAMPLES = (3, 4, 5, 6, 7)
@@ -28,21 +26,7 @@ SAMPLES = (3, 4, 5, 6, 7)
 
 
 def _step(model, impl: str, n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    device = next(model.parameters()).device
-    samples = R.micro_batch(n, 0, n_samples=n)
-    xt, targets = [], []
-    for _, x0, sigma, noise in samples:
-        a, v = flow_matching_inputs(x0.to(device), noise.to(device), sigma)
-        xt.append(a)
-        targets.append(v)
-    kwargs, segs = attention.build_packed_inputs(model.config, [s[0] for s in samples], xt,
-                                                 torch.tensor([s[2] for s in samples]), [24.0] * n,
-                                                 device, impl=impl, block=16 if device.type == "cpu" else 128)
-    model.layers[0].self_attn.processor.segments = segs
-    model.zero_grad(set_to_none=True)
-    loss = micro_batch_loss(model(**kwargs).sample, targets, 10.0, 1)
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    return R.packed_step(model, R.micro_batch(n, 0, n_samples=n), impl)
 
 
 def compiles_per_micro_batch(impl: str, compile_fn, check_eager: bool = True, device: str = "cpu",

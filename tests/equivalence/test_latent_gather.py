@@ -27,8 +27,6 @@ import pytest
 import torch
 
 from cosmos_framework_ext.levers import latent_gather as lg
-from cosmos_framework_ext.recipe.loss import flow_matching_inputs, micro_batch_loss
-from cosmos_framework_ext.recipe import attention
 from tests.equivalence import tiny_recipe as R
 from tests.test_train import env, run_main, small_toml  # noqa: F401 - env: the fixture (dataset, output root)
 
@@ -85,26 +83,15 @@ def _micro_batch(n: int, seed: int):
 
 
 def _train(model, gather=None, device="cpu", impl="dense", plan_fn=lg.gather_plan):
+    def set_plan(xt):
+        gather.plan = plan_fn([x.shape for x in xt], model.config.latent_patch_size).to(torch.device(device))
+
     out = []
     for n, seed in ((3, 1), (5, 2), (2, 3)):
-        samples = _micro_batch(n, seed)
-        xt, targets = [], []
-        for _, x0, sigma, noise in samples:
-            a, v = flow_matching_inputs(x0.to(device), noise.to(device), sigma)
-            xt.append(a)
-            targets.append(v)
-        kwargs, segs = attention.build_packed_inputs(model.config, [s[0] for s in samples], xt,
-                                                     torch.tensor([s[2] for s in samples]), [24.0] * n, device,
-                                                     impl=impl, block=16 if device == "cpu" else 128)
-        model.layers[0].self_attn.processor.segments = segs
-        if gather is not None:
-            gather.plan = plan_fn([x.shape for x in xt], model.config.latent_patch_size).to(device)
-        model.zero_grad(set_to_none=True)
-        loss = micro_batch_loss(model(**kwargs).sample, targets, 10.0, 1)
-        loss.backward()
+        loss, grads = R.packed_step(model, _micro_batch(n, seed), impl, set_plan if gather is not None else None)
         if gather is not None:
             gather.plan = None
-        out.append((loss.detach().cpu(), [p.grad.detach().cpu().clone() for p in model.parameters() if p.requires_grad]))
+        out.append((loss.cpu(), [g.cpu() for g in grads]))
     return out
 
 
