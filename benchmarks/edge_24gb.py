@@ -339,8 +339,9 @@ def checkpoint_layers_arg(value: str, preset: str, only: list[str]) -> str:
                         f"{preset} preset), \"all\" or \"auto\": pass e.g. {max(layers - 8, 0)}")
     readers = [c.name for c in OPTIONAL + CONFIGS if c.checkpoint_layers]
     if not any(name in readers for name in only):
-        raise UserError(f"--checkpoint-layers applies only to the row {readers[0]!r}: add it to --only, or drop "
-                        "--checkpoint-layers")
+        rows = f"row {readers[0]!r}" if len(readers) == 1 else f"rows that leave layers out ({len(readers)}: the ones named " \
+            "'... fewer checkpointed layers ...', --list shows them)"
+        raise UserError(f"--checkpoint-layers applies only to the {rows}: add one to --only, or drop --checkpoint-layers")
     return value if value in ("all", "auto") else str(int(value))
 
 

@@ -408,3 +408,19 @@ def test_sampler_interval_is_checked_before_anything_runs(tmp_path, value):
                      str(REPO / "toml" / "vision_sft_edge_24gb.toml"), "--validate-only"],
                     ONECARD_SAMPLE_S=value, OUTPUT_ROOT=str(out)), "ONECARD_SAMPLE_S")
     assert not out.exists() or not any(out.rglob("*.pt"))
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (("compile_blocks = true", 'compile_blocks = false\ncompile_wrapper = "cpp"'), "[onecard].compile_wrapper = \"cpp\""),
+    (('precision                    = "bfloat16"', 'precision                    = "float16"'), "[model].precision = 'float16'"),
+], ids=["cpp-wrapper-uncompiled", "float16"])
+def test_ledger_and_dryrun_refuse_what_the_trainer_refuses(tmp_path, edit, needle):
+    text = (REPO / "toml" / "vision_sft_edge_24gb.toml").read_text()
+    assert edit[0] in text
+    toml = tmp_path / "recipe.toml"
+    toml.write_text(text.replace(edit[0], edit[1]))
+    trainer = _one_error(_run([sys.executable, "-m", "cosmos_framework_ext.recipe.train", "--sft-toml", str(toml),
+                               "--validate-only"], OUTPUT_ROOT=str(tmp_path / "out")), needle)
+    assert _one_error(_run([sys.executable, "-m", "patches.ledger", "--toml", str(toml)]), needle) == trainer
+    assert _one_error(_run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], DRYRUN="1", TOML_FILE=str(toml)),
+                      needle) == trainer

@@ -95,7 +95,7 @@ def test_typed_config_is_strict_and_documented():
     assert cfg.steps == 5 and cfg.ema.rate == 1.0 and isinstance(cfg.ema.rate, float) and cfg.keys == ["a"]
     with pytest.raises(cc.ConfigError, match=r"unknown key\(s\) \['stepz'\]"):
         cc.from_mapping(_Outer, {"stepz": 5})
-    with pytest.raises(cc.ConfigError, match=r"\[ema\].rate = 'fast' has the wrong type"):
+    with pytest.raises(cc.ConfigError, match=r'\[ema\].rate = "fast" has the wrong type: expected float'):
         cc.from_mapping(_Outer, {"ema": {"rate": "fast"}})
     with pytest.raises(cc.ConfigError, match="wrong type"):
         cc.from_mapping(_Outer, {"steps": True})  # a bool is not an int

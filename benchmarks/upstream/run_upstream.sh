@@ -51,6 +51,10 @@ shopt -u nullglob
 (( ${#whl[@]} )) || { echo "error: no wheels in '$wheels' (make them with make_wheelhouse.sh)" >&2; exit 2; }
 COSMOS_FRAMEWORK_ROOT="$(cd "$COSMOS_FRAMEWORK_ROOT" && pwd)"
 export COSMOS_FRAMEWORK_ROOT
+# the asset options are checked before anything is installed or written
+# shellcheck disable=SC2086  # ASSET_ARGS is a list of options
+"$PYTHON" "$here/prepare_assets.py" "$assets" ${ASSET_ARGS:-} --check || exit 2
+
 mkdir -p "$assets"
 assets="$(cd "$assets" && pwd)"
 

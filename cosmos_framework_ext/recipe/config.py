@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Mapping
 
 from patches.core.config import ConfigError, from_mapping, meaning
-from patches.core.errors import cli
+from patches.core.errors import UserError, cli
 from patches.core.io import atomic_write_text
 
 if sys.version_info >= (3, 11):
@@ -401,7 +401,11 @@ def _check_tables(data: Mapping[str, Any], cls: type, where: str, prefix: str = 
         if not isinstance(value, Mapping):
             continue
         path = f"{prefix}.{key}" if prefix else key
-        sub = _nested(cls, key) if key in {f.name for f in dataclasses.fields(cls)} else None
+        field = {f.name: f for f in dataclasses.fields(cls)}.get(key)
+        sub = _nested(cls, key) if field is not None else None
+        if field is not None and sub is None:  # a known key of another type, written as a table
+            raise ConfigError(f"{where}: [{prefix}].{key} is a table here, and it takes a value: write "
+                              f"{key} = <value> under [{prefix}]" if prefix else f"{where}: {key} takes a value, not a table")
         if sub is None:
             known = ", ".join(f"[{t}]" for t in _table_paths(SFTConfig))
             raise ConfigError(f"{where}: unknown table [{path}]; known tables: {known}")
@@ -480,6 +484,66 @@ _NOT_UPSTREAM = ("fsdp_master_dtype", "fsdp_reduce_dtype")
 """``[model.parallelism]`` keys upstream's TOML schema does not have (Hydra overrides there): dropped from its copy."""
 DTYPES = ("bfloat16", "float32")
 """Accepted values of ``[model.parallelism]`` ``fsdp_master_dtype`` and ``fsdp_reduce_dtype``."""
+
+
+def check_honoured(cfg: SFTConfig, world: int = 1) -> None:
+    """What the embedded trainer implements, and the numbers that only mean something together (the trainer's
+    preflight and the ledger command both run it, so both refuse the same TOML).
+
+    Args:
+        cfg: the loaded recipe.
+        world: the ranks the run has (the shard degree must be -1 or this).
+
+    Raises:
+        UserError: a setting the embedded trainer would not honour (``precision`` other than bfloat16/float32,
+            ``distributed_parallelism`` other than fsdp, ``joint_attn_implementation`` other than two_way,
+            activation checkpointing other than full/selective/none, shard/replicate degrees other than all ranks); a
+            peak learning rate ``lr x max(f_max, f_start)`` above 1 or a schedule that never rises above 0;
+            ``lr x weight_decay`` >= 1 (AdamW's decay factor ``1 - lr x wd`` would flip or zero the weights);
+            ``compile_wrapper = "cpp"`` for layers that are not compiled; an empty ``keys_to_select`` pattern (it
+            matches every parameter); a ``[job]`` project/group/name that is not one plain folder name.
+    """
+    c, src = cfg, cfg.source
+    for where, value, ok in (("[model].precision", c.model.precision, ("bfloat16", "float32")),
+                             ("[trainer].distributed_parallelism", c.trainer.distributed_parallelism, ("fsdp",)),
+                             ("[model].joint_attn_implementation", c.model.joint_attn_implementation, ("two_way",)),
+                             ("[model.activation_checkpointing].mode", c.model.activation_checkpointing.mode,
+                              ("full", "selective", "none"))):
+        if value not in ok:
+            raise UserError(f"{src}: {where} = {value!r} is not implemented by the embedded trainer (it runs "
+                            f"{' or '.join(map(repr, ok))}): use one of those, or run upstream's trainer "
+                            "(COSMOS_FRAMEWORK_ROOT)")
+    if c.onecard.compile_wrapper == "cpp" and not (c.onecard.compile_blocks and c.model.compile.enabled):
+        raise UserError(f"{src}: [onecard].compile_wrapper = \"cpp\" chooses the wrapper of compiled layers, and the "
+                        f"layers are not compiled ([onecard].compile_blocks = {str(c.onecard.compile_blocks).lower()}, "
+                        f"[model.compile].enabled = {str(c.model.compile.enabled).lower()}): set both to true, or "
+                        "drop compile_wrapper")
+    par = c.model.parallelism
+    if par.data_parallel_replicate_degree != 1 or par.data_parallel_shard_degree not in (-1, world):
+        raise UserError(f"{src}: [model.parallelism] data_parallel_shard_degree = {par.data_parallel_shard_degree}, "
+                        f"data_parallel_replicate_degree = {par.data_parallel_replicate_degree}: the embedded trainer "
+                        f"shards over every rank; use -1 (or the world size, {world}) and 1")
+    o, sc = c.optimizer, c.scheduler
+    peak = max([*sc.f_max, *sc.f_start], default=0.0)
+    if not max(sc.f_max, default=0.0) > 0:
+        raise UserError(f"{src}: [scheduler].f_max = {list(sc.f_max)}: the learning rate would stay 0 and nothing would "
+                        "train; give f_max > 0 (the recipe's 1.0)")
+    if o.lr * peak > 1:
+        raise UserError(f"{src}: the peak learning rate [optimizer].lr x max(f_max, f_start) = {o.lr:g} x {peak:g} = "
+                        f"{o.lr * peak:g} is above 1 (AdamW moves each weight by about that much a step): lower it")
+    if o.lr * peak * o.weight_decay >= 1:
+        raise UserError(f"{src}: [optimizer].lr x weight_decay = {o.lr * peak:g} x {o.weight_decay:g} >= 1: AdamW's "
+                        "decay factor 1 - lr x weight_decay would zero or flip every weight; lower weight_decay")
+    if any(not k.strip() for k in o.keys_to_select):
+        raise UserError(f"{src}: [optimizer].keys_to_select = {list(o.keys_to_select)} holds an empty pattern, which "
+                        "matches every parameter: remove it")
+    for key in ("project", "group", "name"):
+        value = getattr(c.job, key)
+        bad = (not value or value in (".", "..") or any(ch in value for ch in "/\\\0")
+               or len(value.encode("utf-8", "surrogatepass")) > 255)
+        if bad:
+            raise UserError(f"{src}: [job].{key} = {value!r} must be one plain folder name (not empty, no '/', '\\' "
+                            "or NUL, at most 255 bytes): the run folder is OUTPUT_ROOT/project/group/name")
 
 
 def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:

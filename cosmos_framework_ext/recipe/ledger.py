@@ -377,6 +377,7 @@ def main(argv: Iterable[str] | None = None) -> int:
             budget = int(cap * GiB) if cap is not None else parse_budget("22.06")
         gpu_memory_cap_gib()  # a bad card cap is refused here too, as the trainer would refuse it
         cfg = cfgmod.load(args.toml)
+        cfgmod.check_honoured(cfg, args.world_size)  # what the trainer refuses, refused here too
         env_flags = flagmod.read_all()
         layers = resolve_checkpoint_layers(cfg, args.preset, env_flags, budget, world_size=args.world_size)
         ledger = cosmos_ledger(cfg, args.preset, env_flags, world_size=args.world_size, checkpoint_layers=layers)

@@ -24,6 +24,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
 import math
 import textwrap
 import types
@@ -133,7 +134,24 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
     if origin is typing.Literal:
         return f"one of {list(typing.get_args(tp))}"
+    if tp is bool:
+        return "true or false"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _toml(value: Any) -> str:
+    """``value`` as TOML writes it (``true``, ``"text"``, ``[1, 2]``), for messages; anything else as Python's repr."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return str(value)
 
 
 def _check(value: Any, tp: Any, where: str) -> Any:
@@ -150,10 +168,10 @@ def _check(value: Any, tp: Any, where: str) -> Any:
                 return _check(value, a, where)
             except ConfigError:
                 pass
-        raise ConfigError(f"{where} = {value!r} has the wrong type: expected {_type_name(tp)}")
+        raise ConfigError(f"{where} = {_toml(value)} has the wrong type: expected {_type_name(tp)}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} = {value!r} has the wrong type: expected a list")
+            raise ConfigError(f"{where} = {_toml(value)} has the wrong type: expected a list")
         (item,) = typing.get_args(tp)[:1] or (Any,)
         return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is Any:
@@ -169,7 +187,7 @@ def _check(value: Any, tp: Any, where: str) -> Any:
         str: lambda v: isinstance(v, str),
     }.get(tp, lambda v: True)(value)
     if not ok:
-        raise ConfigError(f"{where} = {value!r} has the wrong type: expected {_type_name(tp)}")
+        raise ConfigError(f"{where} = {_toml(value)} has the wrong type: expected {_type_name(tp)}")
     return float(value) if tp is float else value
 
 
