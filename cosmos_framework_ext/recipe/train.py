@@ -68,7 +68,7 @@ from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointi
 from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, cosmos_ledger, resolve_checkpoint_layers,
                                                  summary_line)
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
-from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
+from cosmos_framework_ext.recipe.loss import grad_clip, micro_batch_loss, packed_flow_matching_inputs, warmup_cosine
 from cosmos_framework_ext.levers.latent_cache import CacheItem, run_prepass
 from cosmos_framework_ext.recipe import vae as vaemod
 from cosmos_framework_ext.recipe.vae import online_latent
@@ -99,15 +99,18 @@ class HostInputs:
     Attributes:
         key: the (iteration, micro-batch) whose seeded draw this is.
         text_ids: per sample, the und token ids (caption + eos + vision start/end markers).
-        sigmas: fp32 [n], one flow-matching sigma per sample.
-        noise: per sample, fp32 Gaussian noise of the latent's shape (pinned on a GPU run).
+        sigmas: fp32 [n], one flow-matching sigma per sample (pinned on a GPU run).
+        noise: fp32 [sum of the latents' sizes], each sample's Gaussian noise, flattened and concatenated in order
+            (the same draws as :func:`_sample_noise`'s per-sample tensors; pinned on a GPU run).
+        shapes: per sample, the latent's shape ``[1, 48, T, H, W]``.
         layout: positions, timesteps and segment indices (:func:`~cosmos_framework_ext.recipe.attention.host_layout`).
     """
 
     key: tuple[int, int]
     text_ids: list[list[int]]
     sigmas: torch.Tensor
-    noise: list[torch.Tensor]
+    noise: torch.Tensor
+    shapes: list[torch.Size]
     layout: attention.HostLayout
     gather: GatherPlan | None = None
     """``[onecard] latent_gather``: the micro-batch's packing indices (:func:`~cosmos_framework_ext.levers.latent_gather.gather_plan`)."""
@@ -871,12 +874,12 @@ class CosmosSFT(skeleton.Recipe):
 
         def cached(item):  # lever 4: the threads read latents instead of decoding videos (pinned: async to the GPU)
             k, batch = item
-            out = [(s, self.latents.get(CacheItem(s.video_path, s.window, s.size))) for s in batch]
-            latents = [x.pin_memory() if pin else x for _, x in out]
+            latents = [self.latents.get(CacheItem(s.video_path, s.window, s.size)) for s in batch]
+            shapes = [x.shape for x in latents]
+            flat = torch.cat([x.reshape(-1) for x in latents])  # one copy to the GPU, not one per sample
             # the micro-batch's host inputs too (noise, sigmas, positions, segments): off the main thread
-            host = self._host_inputs(*divmod(k, self.ga), batch, [x.shape for x in latents]) if self.prepare_ahead \
-                else None
-            return [s for s, _ in out], latents, host
+            host = self._host_inputs(*divmod(k, self.ga), batch, shapes) if self.prepare_ahead else None
+            return batch, (flat.pin_memory() if pin else flat, shapes), host
 
         def decoded(item):  # the next micro-batches' videos decode on the threads
             _, batch = item
@@ -936,12 +939,15 @@ class CosmosSFT(skeleton.Recipe):
         run) and :func:`~cosmos_framework_ext.recipe.attention.host_layout`. It touches no GPU tensor and no
         trainer state, so a loader thread may build it ahead (:meth:`_begin`) while the GPU computes."""
         cuda = self.device.type == "cuda"
-        sigmas, noise = _sample_noise(self.cfg.onecard.seed, iteration, micro, shapes, pin=cuda)
+        sigmas, noise = _sample_noise(self.cfg.onecard.seed, iteration, micro, shapes)
+        noise = torch.cat([e.reshape(-1) for e in noise])  # the same draws, concatenated
+        if cuda:
+            sigmas, noise = sigmas.pin_memory(), noise.pin_memory()
         tok = self.tokenizer
         text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
         layout = attention.host_layout(self.model.config, text, shapes, sigmas, [s.record.fps for s in batch], pin=cuda)
         plan = gather_plan(shapes, self.model.config.latent_patch_size, pin=cuda) if self.gather is not None else None
-        return HostInputs((iteration, micro), text, sigmas, noise, layout, plan)
+        return HostInputs((iteration, micro), text, sigmas, noise, list(shapes), layout, plan)
 
     def _micro_batch(self, iteration: int, micro: int) -> tuple[int, torch.Tensor]:
         """Encode, noise, forward and backward one packed micro-batch; returns (samples, the loss as a 0-d tensor).
@@ -955,20 +961,22 @@ class CosmosSFT(skeleton.Recipe):
         self.consumed += 1
         device, mem = self.device, self.mem
         with mem.phase("encode"), self.vae_on_device(), torch.no_grad():
-            if stored is not None:  # lever 4: the stored output of the same online_latent call
-                x0 = [_to_device(x, device).float() for x in stored]
+            if stored is not None:  # lever 4: the stored output of the same online_latent call, concatenated
+                flat, shapes = stored
+                x0 = _to_device(flat, device).float()
             else:
-                x0 = [online_latent(self.vae, s.video, device, self.vae_dtype).float() for s in batch]
+                encoded = [online_latent(self.vae, s.video, device, self.vae_dtype).float() for s in batch]
+                shapes = [x.shape for x in encoded]
+                x0 = torch.cat([x.reshape(-1) for x in encoded])
         if host is not None and host.key == (iteration, micro):
             self.inputs_built["loader_threads"] += 1
         else:
-            host = self._host_inputs(iteration, micro, batch, [x.shape for x in x0])
+            host = self._host_inputs(iteration, micro, batch, shapes)
             self.inputs_built["main_thread"] += 1
-        xt, targets = [], []
-        for x, e, sg in zip(x0, host.noise, host.sigmas):
-            a, v = flow_matching_inputs(x, _to_device(e, device), float(sg))
-            xt.append(a.to(self.dtype))
-            targets.append(v)
+        sizes = [math.prod(s) for s in shapes]  # each sample's values in the concatenated latents
+        xt_flat, v_flat = packed_flow_matching_inputs(x0, _to_device(host.noise, device), host.sigmas, sizes)
+        xt = [a.view(s) for a, s in zip(xt_flat.to(self.dtype).split(sizes), shapes)]
+        targets = [v.view(s) for v, s in zip(v_flat.split(sizes), shapes)]
         kwargs, self.proc.segments = attention.build_packed_inputs(
             self.model.config, host.text_ids, xt, host.sigmas, [s.record.fps for s in batch], device,
             impl=self.cfg.onecard.attention, layout=host.layout,

@@ -14,9 +14,10 @@ any other.
 - **Resume:** 2 steps, then a second process resumes to 4: the checkpoint equals the straight run's, and the
   resumed process also built every micro-batch's inputs ahead (its keys start at the checkpoint's place).
 
-- **Each micro-batch's own inputs** (an anchor outside the trainer's path): the sigmas the micro-batch trains on
-  are the seeded draw of its (iteration, micro-batch), and the layout it uses equals one built afresh from those
-  sigmas, its text ids, latent shapes and fps.
+- **Each micro-batch's own inputs** (an anchor outside the trainer's path): the sigmas and the noise the
+  micro-batch trains on are the seeded draws of its (iteration, micro-batch), in its samples' order; the model's
+  input is ``(1 - s) x0 + s eps`` and the target ``eps - x0`` of each sample, computed here by hand; and the layout
+  it uses equals one built afresh from those sigmas, its text ids, latent shapes and fps.
 
 Planted: keys counted from 0 in the resumed process (not from the micro-batches consumed) leaves every
 micro-batch to the main thread; a thread that draws the next micro-batch's noise under this one's key
@@ -105,6 +106,10 @@ def test_each_micro_batch_gets_its_own_draw_and_layout(env, monkeypatch, capsys)
         assert all(ids[-3:] == markers for ids in text_ids)  # caption, then eos and the vision start/end markers
         shapes = [x.shape for x in latents]
         assert torch.equal(sigmas, train._sample_noise(now["seed"], *now["key"], shapes)[0])
+        # the model's input, by hand: x_t = (1 - s) x0 + s eps per sample, then the model's dtype
+        x0, eps = now["x0"].split(now["sizes"]), now["noise"].split(now["sizes"])
+        for x, a, e, s in zip(latents, x0, eps, sigmas.tolist()):
+            assert torch.equal(x.reshape(-1), ((1.0 - s) * a + s * e).to(x.dtype))
         fresh, given = attention.host_layout(model_config, text_ids, shapes, sigmas, fps), kw["layout"]
         assert given.shapes == fresh.shapes
         assert all(torch.equal(getattr(given, f), getattr(fresh, f))
@@ -112,7 +117,23 @@ def test_each_micro_batch_gets_its_own_draw_and_layout(env, monkeypatch, capsys)
         checked.append(now["key"])
         return real_build(model_config, text_ids, latents, sigmas, fps, device, **kw)
 
+    real_noising = train.packed_flow_matching_inputs
+
+    def noising(x0, noise, sigmas, sizes):  # the noise each sample gets: its own seeded draw, in order
+        draws = train._sample_noise(now["seed"], *now["key"], [torch.Size([n]) for n in sizes])[1]  # fills by size
+        assert torch.equal(noise.cpu(), torch.cat(draws)) and x0.numel() == sum(sizes)
+        now.update(x0=x0, noise=noise, sizes=sizes)
+        return real_noising(x0, noise, sigmas, sizes)
+
+    real_loss = train.micro_batch_loss
+
+    def loss(preds, targets, scale, ga):  # the velocity targets, by hand: v = eps - x0 per sample
+        assert torch.equal(torch.cat([t.reshape(-1) for t in targets]), now["noise"] - now["x0"])
+        return real_loss(preds, targets, scale, ga)
+
     monkeypatch.setattr(train.CosmosSFT, "_micro_batch", micro_batch)
+    monkeypatch.setattr(train, "packed_flow_matching_inputs", noising)
+    monkeypatch.setattr(train, "micro_batch_loss", loss)
     monkeypatch.setattr(attention, "build_packed_inputs", build)
     s = _run(env, monkeypatch, capsys, "checked")
     assert s["host_inputs_built"] == {"loader_threads": 8, "main_thread": 0}

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from cosmos_framework_ext.recipe.attention import build_packed_inputs
-from cosmos_framework_ext.recipe.loss import flow_matching_inputs, grad_clip, micro_batch_loss, warmup_cosine
+from cosmos_framework_ext.recipe.loss import (flow_matching_inputs, grad_clip, micro_batch_loss,
+                                              packed_flow_matching_inputs, warmup_cosine)
 from tests.equivalence import tiny_recipe as R
 from tests.equivalence.h3_ranks import launch
 
@@ -66,6 +67,42 @@ def test_flow_matching_inputs_by_hand():
     xt, v = flow_matching_inputs(x0, eps, 0.25)
     assert torch.equal(xt, torch.tensor([1.5, 1.25]))  # 0.75 * x0 + 0.25 * eps
     assert torch.equal(v, torch.tensor([2.0, -3.0]))  # eps - x0
+
+
+SIGMAS = [0.5, 1e-30, 2.0**-26, 1 - 2.0**-24, 0.1234567, 0.999, 3e-8]
+"""Sigmas of the packed flow-matching check: ordinary ones and those where ``1 - s`` rounds (tiny, next to 1)."""
+
+
+def _packed_vs_per_sample(sigma_of=lambda s, i: s, device="cpu"):
+    g = torch.Generator().manual_seed(5)
+    sizes = [7, 1, 40, 16, 3, 96, 5]
+    sigmas = torch.tensor(SIGMAS)
+    x0 = [torch.randn(n, generator=g).to(device) for n in sizes]
+    eps = [torch.randn(n, generator=g).to(device) for n in sizes]
+    xt, v = packed_flow_matching_inputs(torch.cat(x0), torch.cat(eps), sigmas, sizes)
+    ref = [flow_matching_inputs(a, e, float(sigma_of(sigmas, i)[i])) for i, (a, e) in enumerate(zip(x0, eps))]
+    return (torch.equal(xt, torch.cat([r[0] for r in ref])) and torch.equal(v, torch.cat([r[1] for r in ref])))
+
+
+def test_packed_flow_matching_equals_each_sample_bit_for_bit():
+    """The trainer's one-pass flow matching over the concatenated latents against the per-sample call with a Python
+    float sigma (the formula checked by hand above)."""
+    assert _packed_vs_per_sample()
+
+
+def test_planted_a_sample_noised_with_its_neighbours_sigma_breaks_it():
+    assert not _packed_vs_per_sample(sigma_of=lambda s, i: s.roll(1))
+
+
+@pytest.mark.parametrize("sizes, n", [([3, 4], 6), ([3], 7), ([3, 4, 1], 7)], ids=["short", "one-sigma-short", "extra"])
+def test_packed_flow_matching_refuses_sizes_that_do_not_fit(sizes, n):
+    with pytest.raises(ValueError, match="sizes"):
+        packed_flow_matching_inputs(torch.zeros(n), torch.zeros(n), torch.tensor([0.5, 0.25]), sizes)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
+def test_cuda_packed_flow_matching_equals_each_sample_bit_for_bit():
+    assert _packed_vs_per_sample(device="cuda")
 
 
 def test_flow_matching_agrees_with_diffusers_scheduler():
