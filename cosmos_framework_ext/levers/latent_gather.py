@@ -108,7 +108,10 @@ class LatentGather:
     """The three packing helpers of one ``Cosmos3OmniTransformer``, by gather while :attr:`plan` is set.
 
     Installed by :func:`install` as instance attributes (the class's methods stay untouched); the trainer sets
-    :attr:`plan` (on the compute device) before each micro-batch's forward and clears it after its backward.
+    :attr:`plan` (on the compute device) before each micro-batch's forward and clears it after its backward. Set a
+    plan only for a forward whose ``vision_noisy_frame_indexes`` are ``0 .. T-1`` for every sample, as the trainer's
+    are: the helpers tell "every frame" from "some frames" by the count of indices only (T indices below T are
+    every frame, but in the order given).
     """
 
     def __init__(self, model: torch.nn.Module):
