@@ -295,18 +295,13 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
         text, n = re.subn(pattern, repl, text)
         if n != 1:
             raise RuntimeError(f"edge_24gb.toml: expected one match of {pattern!r}")
-    onecard = []
-    if cfg.compile:  # the embedded trainer compiles only when [onecard] compile_blocks says so as well
-        onecard.append("compile_blocks = true")
     layers = (checkpoint_layers or cfg.checkpoint_layers) if cfg.checkpoint_layers else ""
-    if layers:
-        onecard.append(f"checkpoint_layers = {layers if layers.isdigit() else json.dumps(layers)}")
-    if cfg.host_embeddings:
-        onecard.append("host_embeddings = true")
-    if cfg.latent_gather:
-        onecard.append("latent_gather = true")
-    if cfg.compile_wrapper:
-        onecard.append(f"compile_wrapper = {json.dumps(cfg.compile_wrapper)}")
+    values = {"compile_blocks": cfg.compile,  # the embedded trainer compiles only when compile_blocks says so as well
+              "checkpoint_layers": int(layers) if layers.isdigit() else layers,
+              "host_embeddings": cfg.host_embeddings, "latent_gather": cfg.latent_gather,
+              "compile_wrapper": cfg.compile_wrapper}
+    # unset: False or "" (0 checkpointed layers is a value); JSON writes these scalars as TOML does
+    onecard = [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not False and value != ""]
     if onecard:
         lines = "\n".join(onecard)
         text = text.replace("[onecard]\n", f"[onecard]\n{lines}\n", 1) if "[onecard]\n" in text \

@@ -82,3 +82,18 @@ def test_compiled_configuration_turns_the_embedded_compile_on(bench, tmp_path):
     off = load_sft_config(bench.recipe_toml(by_name["levers 1+2"], 8, 3, tmp_path))
     assert on.model.compile.enabled and on.onecard.compile_blocks
     assert not off.model.compile.enabled and not off.onecard.compile_blocks
+
+
+def test_each_rows_onecard_keys_reach_its_toml(bench, tmp_path):
+    """Every ``[onecard]`` setting a row names is in the TOML it runs (0 checkpointed layers is a setting too)."""
+    from cosmos_framework_ext.recipe.config import load as load_sft_config
+
+    rows = {c.name: c for c in bench.CONFIGS + bench.OPTIONAL}
+    fastest = "all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + latent gather + C++ wrapper"
+    cfg = load_sft_config(bench.recipe_toml(rows[fastest], 8, 3, tmp_path, "0"))
+    o = cfg.onecard
+    assert (o.compile_blocks, o.checkpoint_layers, o.latent_gather, o.compile_wrapper, o.host_embeddings) == \
+        (True, 0, True, "cpp", False)
+    twelve = load_sft_config(bench.recipe_toml(rows[next(n for n in rows if n.startswith("12 GB"))], 8, 3, tmp_path))
+    assert twelve.onecard.host_embeddings and twelve.onecard.checkpoint_layers == "all"
+    assert load_sft_config(bench.recipe_toml(rows[fastest], 8, 3, tmp_path, "auto")).onecard.checkpoint_layers == "auto"

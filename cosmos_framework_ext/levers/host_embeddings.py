@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from patches.core.device import to_device
+
 __all__ = ["HOST_MODULES", "HostTables", "check_host_embeddings", "park_lookup_tables"]
 
 HOST_MODULES = ("embed_tokens", "lm_head")
@@ -88,11 +90,9 @@ def park_lookup_tables(model: torch.nn.Module, device: torch.device) -> HostTabl
     emb = getattr(model, "embed_tokens", None)
     if emb is not None:
         lookup = emb.forward
-        cuda = torch.device(device).type == "cuda"
 
         def forward(ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            rows = lookup(ids.to("cpu"), *args, **kwargs)
-            return rows.pin_memory().to(device, non_blocking=True) if cuda else rows.to(device)
+            return to_device(lookup(ids.to("cpu"), *args, **kwargs), device)  # the rows, without a synchronize
 
         emb.forward = forward
     return HostTables(names, nbytes)

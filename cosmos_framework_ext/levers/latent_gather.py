@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import torch
 
+from patches.core.device import to_device
+
 __all__ = ["GatherPlan", "LatentGather", "gather_plan", "install"]
 
 
@@ -55,9 +57,8 @@ class GatherPlan:
 
     def to(self, device: torch.device) -> "GatherPlan":
         """The plan with its indices on ``device`` (from pinned memory without a synchronize on a GPU)."""
-        put = (lambda t: t.to(device, non_blocking=t.is_pinned())) if torch.device(device).type == "cuda" \
-            else (lambda t: t.to(device))
-        return GatherPlan(self.latent_shapes, put(self.patch_index), put(self.unpatch_index), self.tokens)
+        return GatherPlan(self.latent_shapes, to_device(self.patch_index, device), to_device(self.unpatch_index, device),
+                          self.tokens)
 
 
 def gather_plan(latent_shapes: list[torch.Size | tuple[int, ...]], patch: int, pin: bool = False) -> GatherPlan:

@@ -17,11 +17,14 @@ the memory-efficient kernel (with ``enable_gqa`` and a mask PyTorch falls back t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from patches.core.device import to_device
 
 
 ATTENTION_IMPLS = ("dense", "flex")
@@ -242,8 +245,7 @@ def build_packed_inputs(
     und_len, gen_len = layout.und_len, layout.gen_len
     # built on the host, sent from pinned memory without a synchronize (a plain .to from pageable memory waits
     # for everything the GPU has queued): the host can prepare this micro-batch while the GPU computes the last
-    put = (lambda t: (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)) \
-        if device.type == "cuda" else (lambda t: t.to(device))
+    put = functools.partial(to_device, device=device)
     seq = torch.arange(und_len, und_len + gen_len, device=device)
     ids = layout.input_ids
     kwargs = dict(

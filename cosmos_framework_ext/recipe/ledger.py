@@ -22,6 +22,8 @@ runs with both levers on, over the exact static components (``docs/ledger.md`` h
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import os
 import re
@@ -163,45 +165,81 @@ def cosmos_ledger(
         raise ValueError(f"world size {world_size} must be >= 1")
     bf16 = device_type == "cuda" and cfg.model.precision == "bfloat16"
     b = 2 if bf16 else 4
-    vae_b = 2 if device_type == "cuda" else 4
-    cap = cap or cfg.dataloader_train.max_sequence_length
-    shard = lambda n: -(-n // world_size)  # noqa: E731 - ceil division
-    ema_on = cfg.model.ema.enabled
-    ema_lever = flags.get(EMA_CPU_SUBSET.name, False)
-    vae_lever = flags.get(VAE_CPU_OFFLOAD.name, False)
-    cache_lever = flags.get(LATENT_CACHE.name, False)
     # upstream HEAD's dtypes: fp32 master (weights, gradients, AdamW state), compute in bf16 through FSDP2
     mb = 4 if (bf16 and cfg.model.parallelism.fsdp_master_dtype == "float32") else b
     mixed = mb != b
-    optim_lever = flags.get(OPTIM_STATE_OFFLOAD.name, False)
+    ema_on, ema_lever = cfg.model.ema.enabled, flags.get(EMA_CPU_SUBSET.name, False)
     frozen_lever = flags.get(FROZEN_BF16.name, False) and mixed
     check_with_ema(frozen_lever, ema_on, ema_lever)  # the trainer's own refusal, so DRYRUN does not price it
     c = _counts(preset_name, cfg.optimizer.keys_to_select)  # builds the model on the meta device (seconds)
     check_host_embeddings(cfg.onecard.host_embeddings, c["tables_train"], world_size, mixed)  # the trainer's too
-    dt = "bf16" if mb == 2 else "fp32"
-    frozen = c["all"] - c["train"]
-    tables_on_host = cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed
-    tokens = cap - 1
-    acts, ckpt_layers = _activation_items(cfg, c, tokens, b, device_type, checkpoint_layers)
-    state = shard(c["train"]) * 2 * mb
-
-    if frozen_lever:
-        weights = Item("weights (frozen bf16, lever)", shard(frozen) * b + shard(c["train"]) * mb + c["buffers"],
-                       shard(frozen) * 4, note=f"{frozen:,} frozen bf16 on the GPU (fp32 on the host), "
-                       f"{c['train']:,} trainable {dt}")
-    elif tables_on_host:
-        weights = Item("weights (lookup tables on the host, lever)", (c["all"] - c["tables"]) * mb + c["buffers"],
-                       c["tables"] * mb, note=f"{c['all']:,} params {dt}; embed_tokens + lm_head "
-                       f"({c['tables']:,}) on the host")
-    else:
-        weights = Item("weights", shard(c["all"]) * mb + c["buffers"], note=f"{c['all']:,} params {dt}"
-                       + (f", 1/{world_size} shard" if world_size > 1 else ""))
-    items = [weights]
+    cap = cap or cfg.dataloader_train.max_sequence_length
+    at = _At(c=c, b=b, mb=mb, dt="bf16" if mb == 2 else "fp32", world=world_size, cuda=device_type == "cuda",
+             tables_on_host=cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed)
+    acts, ckpt_layers = _activation_items(cfg, c, cap - 1, b, device_type, checkpoint_layers)
+    items = [_weights_item(at, frozen_lever)]
     if mixed:
         unsharded = (c["all"] - c["layers"] * c["layer"] + 2 * c["layer"]) * b
         items.append(Item("FSDP2 bf16 compute copies", unsharded,
                           note="root unit + 2 decoder layers gathered in bf16 (MixedPrecisionPolicy)"))
-    items.append(Item("gradients", shard(c["train"]) * mb, note=f"trainable {c['train']:,} params {dt}"))
+    items += _optimizer_items(at, flags.get(OPTIM_STATE_OFFLOAD.name, False), acts)
+    items += _ema_and_vae_items(at, ema_on, ema_lever, flags)
+    items += acts
+    items += _host_items(at, ema_on)
+    outside = [Item("CUDA context", CUDA_CONTEXT if at.cuda else 0, note="outside the allocator budget")]
+    levers = [f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD, FROZEN_BF16)
+              if flags.get(f.name)]
+    if at.tables_on_host:
+        levers.append("host_embeddings")
+    if cfg.model.activation_checkpointing.mode != "none" and ckpt_layers < c["layers"]:
+        levers.append(f"checkpoint_layers {ckpt_layers}")
+    title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {grad_accum_iter or cfg.trainer.grad_accum_iter}, "
+             f"EMA {'on' if ema_on else 'off'}, {', '.join(levers) or 'no levers'}, {world_size} rank(s), {device_type}, "
+             f"master {at.dt}" + (" (compute bf16)" if mixed else ""))
+    # one checkpoint file: full net (stored dtype), net_ema fp32 for every net key, AdamW moments of the trainable subset
+    ckpt = c["all"] * mb + c["buffers"] + (c["all"] * 4 if ema_on else 0) + c["train"] * 2 * mb + c["train_tensors"] * 8
+    return Ledger(title, items, outside, checkpoint_bytes=ckpt)
+
+
+@dataclasses.dataclass(frozen=True)
+class _At:
+    """What every line of one ledger is priced at: the model's counts (:func:`_counts`), the compute and master
+    bytes per parameter (``b``, ``mb``; ``dt`` names the master's), the ranks, the device and where the tables live."""
+
+    c: dict[str, int]
+    b: int
+    mb: int
+    dt: str
+    world: int
+    cuda: bool
+    tables_on_host: bool
+
+    def shard(self, n: int) -> int:
+        """One rank's part of ``n`` (FSDP2 shards evenly; ceil division)."""
+        return -(-n // self.world)
+
+
+def _weights_item(at: _At, frozen_lever: bool) -> Item:
+    """The parameters on the GPU: every one in the master dtype, or the frozen ones as bf16 (lever 6), or all but
+    the lookup tables (``host_embeddings``)."""
+    c, frozen = at.c, at.c["all"] - at.c["train"]
+    if frozen_lever:
+        return Item("weights (frozen bf16, lever)", at.shard(frozen) * at.b + at.shard(c["train"]) * at.mb + c["buffers"],
+                    at.shard(frozen) * 4, note=f"{frozen:,} frozen bf16 on the GPU (fp32 on the host), "
+                    f"{c['train']:,} trainable {at.dt}")
+    if at.tables_on_host:
+        return Item("weights (lookup tables on the host, lever)", (c["all"] - c["tables"]) * at.mb + c["buffers"],
+                    c["tables"] * at.mb, note=f"{c['all']:,} params {at.dt}; embed_tokens + lm_head "
+                    f"({c['tables']:,}) on the host")
+    return Item("weights", at.shard(c["all"]) * at.mb + c["buffers"], note=f"{c['all']:,} params {at.dt}"
+                + (f", 1/{at.world} shard" if at.world > 1 else ""))
+
+
+def _optimizer_items(at: _At, optim_lever: bool, acts: list[Item]) -> list[Item]:
+    """Gradients and AdamW's moments (streamed by lever 5: only the groups in flight, and only beyond ``acts``)."""
+    c, mb, dt = at.c, at.mb, at.dt
+    state = at.shard(c["train"]) * 2 * mb
+    items = [Item("gradients", at.shard(c["train"]) * mb, note=f"trainable {c['train']:,} params {dt}")]
     if optim_lever:  # the groups in flight live only inside the optimizer step, after every activation is freed
         in_flight = min(state, 3 * max(OPTIM_GROUP_BYTES, 2 * mb * c["largest_train"]))
         beyond = max(0, in_flight - sum(i.gpu_bytes for i in acts))
@@ -212,48 +250,47 @@ def cosmos_ledger(
     else:
         items.append(Item("AdamW state", state + c["train_tensors"] * 4,
                           note=f"exp_avg + exp_avg_sq {dt}, step fp32 x {c['train_tensors']} tensors"))
+    return items
+
+
+def _ema_and_vae_items(at: _At, ema_on: bool, ema_lever: bool, flags: dict[str, bool]) -> list[Item]:
+    """The EMA (stock fp32 clone, or lever 1's host subset) and the VAE (resident, parked, or gone after lever 4's
+    pre-pass)."""
+    c = at.c
     if ema_on and ema_lever:
-        items.append(Item("EMA (CPU subset, lever)", 0, shard(c["train"]) * (4 + mb), pinned=True,
-                          note=f"fp32 trainable subset + {dt} staging, pinned host"))
+        ema = Item("EMA (CPU subset, lever)", 0, at.shard(c["train"]) * (4 + at.mb), pinned=True,
+                   note=f"fp32 trainable subset + {at.dt} staging, pinned host")
     elif ema_on:
-        items.append(Item("EMA (stock, fp32 clone)", shard(c["all"]) * 4, note="every parameter, fp32, on the GPU"))
+        ema = Item("EMA (stock, fp32 clone)", at.shard(c["all"]) * 4, note="every parameter, fp32, on the GPU")
     else:
-        items.append(Item("EMA", 0, note="disabled in the TOML"))
-    vae_bytes = c["vae"] * vae_b
-    if cache_lever:
-        items.append(Item("Wan2.2 VAE (latent cache, lever 4)", 0,
-                          note=f"{c['vae']:,} params: on the GPU only in the pre-pass before training, then freed"))
-    elif vae_lever:
-        items.append(Item("Wan2.2 VAE (parked, lever)", 0, vae_bytes, pinned=True,
-                          note=f"{c['vae']:,} params, on the GPU only while a micro-batch encodes"))
+        ema = Item("EMA", 0, note="disabled in the TOML")
+    vae_bytes = c["vae"] * (2 if at.cuda else 4)
+    if flags.get(LATENT_CACHE.name, False):
+        vae = Item("Wan2.2 VAE (latent cache, lever 4)", 0,
+                   note=f"{c['vae']:,} params: on the GPU only in the pre-pass before training, then freed")
+    elif flags.get(VAE_CPU_OFFLOAD.name, False):
+        vae = Item("Wan2.2 VAE (parked, lever)", 0, vae_bytes, pinned=True,
+                   note=f"{c['vae']:,} params, on the GPU only while a micro-batch encodes")
     else:
-        items.append(Item("Wan2.2 VAE (resident)", vae_bytes, note=f"{c['vae']:,} params"))
-    items += acts
-    if device_type == "cuda":
-        items.append(Item("host process baseline", 0, HOST_BASELINE,
-                          note="torch + CUDA libraries + clip cache (measured on an H200 machine)"))
+        vae = Item("Wan2.2 VAE (resident)", vae_bytes, note=f"{c['vae']:,} params")
+    return [ema, vae]
+
+
+def _host_items(at: _At, ema_on: bool) -> list[Item]:
+    """The host process itself and what a checkpoint save adds to it."""
+    c = at.c
+    if at.cuda:
+        items = [Item("host process baseline", 0, HOST_BASELINE,
+                      note="torch + CUDA libraries + clip cache (measured on an H200 machine)")]
     else:
-        items.append(Item("host process baseline", 0, HOST_BASELINE_CPU, note="torch + clip cache (estimate, CPU run)"))
-    if world_size == 1:  # the live tensors, written one storage at a time (patches.core.streamsave)
+        items = [Item("host process baseline", 0, HOST_BASELINE_CPU, note="torch + clip cache (estimate, CPU run)")]
+    if at.world == 1:  # the live tensors, written one storage at a time (patches.core.streamsave)
         items.append(Item("checkpoint save (streamed)", 0, c["largest"] * 4,
                           note="at a save only: one tensor's fp32 host copy at a time"))
     else:  # full copies of net, net_ema and the moments, gathered on every rank
-        items.append(Item("checkpoint save (gathered)", 0, c["all"] * mb + (c["all"] * 4 if ema_on else 0)
-                          + c["train"] * 2 * mb, note="at a save only: full host copies of net, net_ema, moments"))
-    outside = [Item("CUDA context", CUDA_CONTEXT if device_type == "cuda" else 0, note="outside the allocator budget")]
-    levers = [f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD, FROZEN_BF16)
-              if flags.get(f.name)]
-    if tables_on_host:
-        levers.append("host_embeddings")
-    if cfg.model.activation_checkpointing.mode != "none" and ckpt_layers < c["layers"]:
-        levers.append(f"checkpoint_layers {ckpt_layers}")
-    levers = ", ".join(levers) or "no levers"
-    title = (f"memory ledger: preset {preset_name}, cap {cap}, grad_accum_iter {grad_accum_iter or cfg.trainer.grad_accum_iter}, "
-             f"EMA {'on' if ema_on else 'off'}, {levers}, {world_size} rank(s), {device_type}, "
-             f"master {dt}" + (" (compute bf16)" if mixed else ""))
-    # one checkpoint file: full net (stored dtype), net_ema fp32 for every net key, AdamW moments of the trainable subset
-    ckpt = c["all"] * mb + c["buffers"] + (c["all"] * 4 if ema_on else 0) + c["train"] * 2 * mb + c["train_tensors"] * 8
-    return Ledger(title, items, outside, checkpoint_bytes=ckpt)
+        items.append(Item("checkpoint save (gathered)", 0, c["all"] * at.mb + (c["all"] * 4 if ema_on else 0)
+                          + c["train"] * 2 * at.mb, note="at a save only: full host copies of net, net_ema, moments"))
+    return items
 
 
 def _checkpoint_layers(cfg: SFTConfig, layers: int, given: int | None) -> int:

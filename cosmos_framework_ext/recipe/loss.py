@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from patches.core.device import to_device
+
 
 def flow_matching_inputs(
     x0: torch.Tensor, noise: torch.Tensor, sigma: float | torch.Tensor
@@ -48,11 +50,8 @@ def packed_flow_matching_inputs(
     if len(sizes) != sigmas.numel() or total != x0.numel() or total != noise.numel():
         raise ValueError(f"{len(sizes)} sizes adding up to {total} for {sigmas.numel()} sigmas and "
                          f"{x0.numel()}/{noise.numel()} values")
-    counts = torch.tensor(sizes, dtype=torch.long)
-    if x0.device.type == "cuda":
-        counts = counts.pin_memory().to(x0.device, non_blocking=True)
-        sigmas = (sigmas if sigmas.is_pinned() else sigmas.pin_memory()).to(x0.device, non_blocking=True)
-    sigma = sigmas.repeat_interleave(counts, output_size=total)
+    counts = to_device(torch.tensor(sizes, dtype=torch.long), x0.device)
+    sigma = to_device(sigmas, x0.device).repeat_interleave(counts, output_size=total)
     return flow_matching_inputs(x0, noise, sigma)
 
 

@@ -58,7 +58,7 @@ from patches.core.trainer import StepResult
 from cosmos_framework_ext.recipe import attention, config as cfgmod, data as datamod
 from patches.core.data import rows, sample_dataset
 from patches.core.data.prefetch import prefetched
-from patches.core.device import gpu_budget_bytes, pick_device
+from patches.core.device import gpu_budget_bytes, pick_device, to_device
 from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
@@ -82,13 +82,12 @@ log = logging.getLogger("onecard.train")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size],
-                  pin: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Deterministic (seed, iteration, micro-batch) draw on the CPU: logit-normal sigmas [n] and Gaussian noise
-    (``pin``: the noise in pinned host memory, the same values, so it reaches the GPU without a synchronize)."""
+def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Deterministic (seed, iteration, micro-batch) draw on the CPU: logit-normal sigmas [n] and Gaussian noise of
+    each shape (the values depend on each shape's size only; :meth:`CosmosSFT._host_inputs` pins them)."""
     g = torch.Generator().manual_seed(((seed * 1_000_003 + iteration) * 1_009 + micro) % (1 << 63))  # any 63-bit seed
     sigmas = torch.sigmoid(torch.randn(len(shapes), generator=g))
-    noise = [torch.randn(s, generator=g, pin_memory=pin) for s in shapes]
+    noise = [torch.randn(s, generator=g) for s in shapes]
     return sigmas, noise
 
 
@@ -102,7 +101,6 @@ class HostInputs:
         sigmas: fp32 [n], one flow-matching sigma per sample (pinned on a GPU run).
         noise: fp32 [sum of the latents' sizes], each sample's Gaussian noise, flattened and concatenated in order
             (the same draws as :func:`_sample_noise`'s per-sample tensors; pinned on a GPU run).
-        shapes: per sample, the latent's shape ``[1, 48, T, H, W]``.
         layout: positions, timesteps and segment indices (:func:`~cosmos_framework_ext.recipe.attention.host_layout`).
     """
 
@@ -110,18 +108,9 @@ class HostInputs:
     text_ids: list[list[int]]
     sigmas: torch.Tensor
     noise: torch.Tensor
-    shapes: list[torch.Size]
     layout: attention.HostLayout
     gather: GatherPlan | None = None
     """``[onecard] latent_gather``: the micro-batch's packing indices (:func:`~cosmos_framework_ext.levers.latent_gather.gather_plan`)."""
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; a host tensor goes to a GPU from pinned memory without waiting for the GPU's queue (a
-    plain ``.to`` from pageable memory synchronizes the stream)."""
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
 
 
 def _one_line(e: BaseException) -> str:
@@ -947,7 +936,7 @@ class CosmosSFT(skeleton.Recipe):
         text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
         layout = attention.host_layout(self.model.config, text, shapes, sigmas, [s.record.fps for s in batch], pin=cuda)
         plan = gather_plan(shapes, self.model.config.latent_patch_size, pin=cuda) if self.gather is not None else None
-        return HostInputs((iteration, micro), text, sigmas, noise, list(shapes), layout, plan)
+        return HostInputs((iteration, micro), text, sigmas, noise, layout, plan)
 
     def _micro_batch(self, iteration: int, micro: int) -> tuple[int, torch.Tensor]:
         """Encode, noise, forward and backward one packed micro-batch; returns (samples, the loss as a 0-d tensor).
@@ -963,7 +952,7 @@ class CosmosSFT(skeleton.Recipe):
         with mem.phase("encode"), self.vae_on_device(), torch.no_grad():
             if stored is not None:  # lever 4: the stored output of the same online_latent call, concatenated
                 flat, shapes = stored
-                x0 = _to_device(flat, device).float()
+                x0 = to_device(flat, device).float()
             else:
                 encoded = [online_latent(self.vae, s.video, device, self.vae_dtype).float() for s in batch]
                 shapes = [x.shape for x in encoded]
@@ -974,7 +963,7 @@ class CosmosSFT(skeleton.Recipe):
             host = self._host_inputs(iteration, micro, batch, shapes)
             self.inputs_built["main_thread"] += 1
         sizes = [math.prod(s) for s in shapes]  # each sample's values in the concatenated latents
-        xt_flat, v_flat = packed_flow_matching_inputs(x0, _to_device(host.noise, device), host.sigmas, sizes)
+        xt_flat, v_flat = packed_flow_matching_inputs(x0, to_device(host.noise, device), host.sigmas, sizes)
         xt = [a.view(s) for a, s in zip(xt_flat.to(self.dtype).split(sizes), shapes)]
         targets = [v.view(s) for v, s in zip(v_flat.split(sizes), shapes)]
         kwargs, self.proc.segments = attention.build_packed_inputs(

@@ -683,7 +683,7 @@ def pack_one(sample: dict) -> dict:
     return packed
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
+def _batch_to_device(batch: dict, device: torch.device) -> dict:
     try:
         from cosmos_framework.utils import misc
 
@@ -731,7 +731,7 @@ def run_prepass(model: Any, loader: Any, out: Any = None,
             if sample is None:
                 skipped += 1
             else:
-                model.get_data_and_condition(_to_device(pack(sample), cache.device), **kwargs)
+                model.get_data_and_condition(_batch_to_device(pack(sample), cache.device), **kwargs)
             if n == len(rows) or n % 20 == 0:
                 dt = time.perf_counter() - t0
                 print(f"onecard: latent pre-pass {n}/{len(rows)} windows, {dt:.1f} s, "

@@ -17,7 +17,7 @@ from patches.core.errors import UserError
 from patches.core.flags import MAX_GPU_GIB
 from patches.core.runtime import GiB
 
-__all__ = ["GPU_MEMORY_ENV", "gpu_memory_cap_gib", "gpu_budget_bytes", "pick_device"]
+__all__ = ["GPU_MEMORY_ENV", "gpu_memory_cap_gib", "gpu_budget_bytes", "pick_device", "to_device"]
 
 GPU_MEMORY_ENV = "ONECARD_GPU_MEMORY_GIB"
 """Environment variable: GiB of GPU memory this process may use (unset: the whole card)."""
@@ -79,3 +79,12 @@ def gpu_budget_bytes(device: torch.device) -> int:
     total = torch.cuda.get_device_properties(device).total_memory
     gib = gpu_memory_cap_gib(total)
     return int(gib * GiB) if gib is not None else int(total)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor goes to a GPU from pinned memory without waiting for the GPU's queue (a
+    plain ``.to`` from pageable memory synchronizes the stream). A tensor already pinned is not copied on the host."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
