@@ -22,9 +22,7 @@ Optional (``--only``): ``all levers + optimizer-state streaming + selective AC``
 ``[model.activation_checkpointing] mode = "selective"``: the attention outputs kept, not recomputed); the same
 ``+ fewer checkpointed layers`` (``[onecard] checkpoint_layers``: ``--checkpoint-layers``, default ``"auto"``);
 the same ``+ host inputs on the main thread`` (each micro-batch's noise, positions and segment indices built on the
-main thread, as before they moved to the loader threads: the A/B of that change), ``+ latent gather``
-(``[onecard] latent_gather = true``) and ``+ latent gather + C++ wrapper`` (also ``[onecard] compile_wrapper =
-"cpp"``);
+main thread, as before they moved to the loader threads: the A/B of that change);
 ``12 GB card: all levers + optimizer-state streaming + lookup tables on the host`` (``[onecard] host_embeddings``,
 full checkpointing, its own cap of 11.0 GiB); ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
@@ -135,10 +133,6 @@ class Config:
     """``[onecard] host_embeddings = true``."""
     cap_gib: float | None = None
     """This row's card cap in GiB instead of ``--budget-gib`` (a smaller card)."""
-    latent_gather: bool = False
-    """``[onecard] latent_gather = true``."""
-    compile_wrapper: str = ""
-    """``[onecard] compile_wrapper`` to set (empty: the trainer's default, inductor's Python wrapper)."""
     inputs_on_main_thread: bool = False
     """Build every micro-batch's host inputs on the main thread (the trainer's path before they moved to the loader
     threads: the A/B of that change)."""
@@ -170,12 +164,6 @@ OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + host inputs on the "
            "main thread", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            selective=True, checkpoint_layers="auto", inputs_on_main_thread=True),
-    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + latent gather",
-           {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True, selective=True,
-           checkpoint_layers="auto", latent_gather=True),
-    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + latent gather + C++ "
-           "wrapper", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
-           selective=True, checkpoint_layers="auto", latent_gather=True, compile_wrapper="cpp"),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
@@ -298,8 +286,7 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
     layers = (checkpoint_layers or cfg.checkpoint_layers) if cfg.checkpoint_layers else ""
     values = {"compile_blocks": cfg.compile,  # the embedded trainer compiles only when compile_blocks says so as well
               "checkpoint_layers": int(layers) if layers.isdigit() else layers,
-              "host_embeddings": cfg.host_embeddings, "latent_gather": cfg.latent_gather,
-              "compile_wrapper": cfg.compile_wrapper}
+              "host_embeddings": cfg.host_embeddings}
     # unset: False or "" (0 checkpointed layers is a value); JSON writes these scalars as TOML does
     onecard = [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not False and value != ""]
     if onecard:
@@ -419,7 +406,6 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         checkpoint_layers=s.get("checkpoint_layers"),
         host_tables_gib=(s.get("host_tables") or {}).get("host_bytes", 0) / GiB,
         host_inputs_built=s.get("host_inputs_built"),
-        latent_gather=s.get("latent_gather"),
         compile_note=s.get("compile"),
     )
     if flops_p is not None and times:

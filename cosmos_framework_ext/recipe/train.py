@@ -63,7 +63,6 @@ from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
-from cosmos_framework_ext.levers.latent_gather import GatherPlan, gather_plan, install as install_latent_gather
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
 from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, cosmos_ledger, resolve_checkpoint_layers,
                                                  summary_line)
@@ -109,8 +108,6 @@ class HostInputs:
     sigmas: torch.Tensor
     noise: torch.Tensor
     layout: attention.HostLayout
-    gather: GatherPlan | None = None
-    """``[onecard] latent_gather``: the micro-batch's packing indices (:func:`~cosmos_framework_ext.levers.latent_gather.gather_plan`)."""
 
 
 def _one_line(e: BaseException) -> str:
@@ -633,17 +630,13 @@ class CosmosSFT(skeleton.Recipe):
                                           determinism_check=ac.determinism_check, layers=self.checkpoint_layers)
         self.host_tables = park_lookup_tables(model, device) if cfg.onecard.host_embeddings else None
         self.proc = attention.install(model)
-        self.gather = install_latent_gather(model) if cfg.onecard.latent_gather else None  # lever: packing by gather
         model.train()
         self.compile_note = "eager"
-        cpp = cfg.onecard.compile_wrapper == "cpp"
         if cfg.onecard.compile_blocks and cfg.model.compile.enabled and device.type == "cuda":  # each decoder layer
-            n = compile_blocks(model, dynamic=cfg.model.compile.compile_dynamic, wrapper=cfg.onecard.compile_wrapper)
-            self.compile_note = (f"{n} decoder layers compiled (dynamic={cfg.model.compile.compile_dynamic}"
-                                 f"{', C++ wrapper' if cpp else ''})")
+            n = compile_blocks(model, dynamic=cfg.model.compile.compile_dynamic)
+            self.compile_note = f"{n} decoder layers compiled (dynamic={cfg.model.compile.compile_dynamic})"
         elif cfg.onecard.compile_blocks and cfg.model.compile.enabled:  # asked for, on a CPU: say why not
-            unused = '; compile_wrapper = "cpp" is unused' if cpp else ""
-            self.compile_note = f"eager (the layers are compiled on a GPU only{unused})"
+            self.compile_note = "eager (the layers are compiled on a GPU only)"
         # Lever: frozen parameters stored as their compute-dtype cast (before FSDP2 records the dtypes).
         self.frozen = FrozenBF16(model, self.dtype) if (self.frozen_lever and self.mixed) else None
         if self.world > 1 or self.mixed:
@@ -935,8 +928,7 @@ class CosmosSFT(skeleton.Recipe):
         tok = self.tokenizer
         text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
         layout = attention.host_layout(self.model.config, text, shapes, sigmas, [s.record.fps for s in batch], pin=cuda)
-        plan = gather_plan(shapes, self.model.config.latent_patch_size, pin=cuda) if self.gather is not None else None
-        return HostInputs((iteration, micro), text, sigmas, noise, layout, plan)
+        return HostInputs((iteration, micro), text, sigmas, noise, layout)
 
     def _micro_batch(self, iteration: int, micro: int) -> tuple[int, torch.Tensor]:
         """Encode, noise, forward and backward one packed micro-batch; returns (samples, the loss as a 0-d tensor).
@@ -971,16 +963,12 @@ class CosmosSFT(skeleton.Recipe):
             impl=self.cfg.onecard.attention, layout=host.layout,
             ids_device=torch.device("cpu") if self.host_tables is not None else None,
         )
-        if self.gather is not None:
-            self.gather.plan = host.gather.to(device)
         with mem.phase("forward"):
             preds = self.model(**kwargs).sample
             loss = micro_batch_loss(preds, targets, self.cfg.onecard.loss_scale, self.ga)
         with mem.phase("backward"):
             loss.backward()
         self.proc.segments = None
-        if self.gather is not None:
-            self.gather.plan = None
         if device.type != "cuda":
             self.micro_times.append(time.perf_counter() - t0)
         return len(batch), loss.detach()
@@ -1050,7 +1038,6 @@ class CosmosSFT(skeleton.Recipe):
             compile=self.compile_note,
             checkpoint_layers=self.checkpoint_layers,
             host_inputs_built=dict(self.inputs_built),
-            latent_gather=None if self.gather is None else {"micro_batches": self.gather.gathered},
             host_tables=None if self.host_tables is None else {"names": self.host_tables.names,
                                                                "host_bytes": self.host_tables.host_bytes},
         )

@@ -87,14 +87,16 @@ def _plant(bug: str):
         if bug == "slow_step_unmarked":  # ... and the device copies not marked as used by the compute stream
             cls._used_by_compute = lambda self, fetched: None
         return lambda: (setattr(cls, "_step", real_step), setattr(cls, "_used_by_compute", real_mark))
-    if bug == "missing_wait":
+    if bug in ("slow_copy", "missing_wait"):
         real_wait, real_in = cls._wait, cls._copy_in
 
         def slow_in(self, src):  # each group's copies held back on their stream: a step that does not wait reads junk
             torch.cuda._sleep(20_000_000)
             return real_in(self, src)
 
-        cls._wait, cls._copy_in = (lambda self, event: None), slow_in
+        cls._copy_in = slow_in
+        if bug == "missing_wait":  # ... and the compute stream does not wait for them
+            cls._wait = lambda self, event: None
         return lambda: (setattr(cls, "_wait", real_wait), setattr(cls, "_copy_in", real_in))
     assert not bug
     return lambda: None
@@ -285,6 +287,7 @@ def _cuda_worker(rank: int, world: int, out_dir: str) -> None:
     res = {"resident": run(mode="resident", device="cuda"), "stock": run(device="cuda"),
            "lever": run(lever=True, device="cuda"), "one": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda"),
            "missing_wait": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda", bug="missing_wait"),
+           "slow_copy": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda", bug="slow_copy"),
            "slow_step": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda", bug="slow_step"),
            "slow_step_unmarked": run(lever=True, group_bytes=ONE_PARAM_GROUPS, device="cuda", bug="slow_step_unmarked")}
     pairs = synthetic_pairs(MICRO, _preset())
@@ -327,6 +330,13 @@ def test_cuda_a_slow_step_reads_its_own_groups_copies(cuda_results):
     is not handed to a later group's copy while the step reads it); without the mark they are not."""
     assert _same(cuda_results["slow_step"], cuda_results["resident"])
     assert not _same(cuda_results["slow_step_unmarked"], cuda_results["resident"])
+
+
+@needs_cuda
+def test_cuda_a_late_copy_is_waited_for(cuda_results):
+    """Each group's host-to-device copies held back on their stream: the step waits for them, so the values are still
+    the all-resident run's (the planted run below drops the wait and reads unfilled buffers)."""
+    assert _same(cuda_results["slow_copy"], cuda_results["resident"])
 
 
 @needs_cuda

@@ -69,10 +69,9 @@ def loss_of(model: torch.nn.Module, samples, grad_accum: int = GRAD_ACCUM, loss_
     return loss_fn(preds, targets, 10.0, grad_accum)
 
 
-def packed_step(model: torch.nn.Module, samples, impl: str = "dense",
-                before_forward: Callable[[list[torch.Tensor]], None] | None = None):
+def packed_step(model: torch.nn.Module, samples, impl: str = "dense"):
     """One packed micro-batch forward and backward (loss scale 10, grad_accum 1) with ``impl`` attention
-    (flex tiles of 16 tokens on the CPU, 128 on a GPU); ``before_forward(xt)`` runs after the inputs are built.
+    (flex tiles of 16 tokens on the CPU, 128 on a GPU).
 
     Returns (the loss, detached; the trainable parameters' gradients, cloned), on the model's device."""
     device = next(model.parameters()).device
@@ -85,8 +84,6 @@ def packed_step(model: torch.nn.Module, samples, impl: str = "dense",
                                        torch.tensor([s[2] for s in samples]), [24.0] * len(samples),
                                        device, impl=impl, block=16 if device.type == "cpu" else 128)
     model.layers[0].self_attn.processor.segments = segs
-    if before_forward is not None:
-        before_forward(xt)
     model.zero_grad(set_to_none=True)
     loss = micro_batch_loss(model(**kwargs).sample, targets, 10.0, 1)
     loss.backward()
