@@ -5,9 +5,11 @@ the micro-batches it is told to profile (one optimizer step's, after the warm-up
 
 - runs ``torch.profiler`` (CPU and CUDA activities) over them and exports the Chrome trace;
 - marks each micro-batch (``onecard.micro_batch``) and each of the recipe's memory phases inside it
-  (``onecard.encode``, ``onecard.forward``, ``onecard.backward``) with ``record_function``, with a device
+  (``onecard.encode``, ``onecard.forward``, ``onecard.backward``) with ``record_function``, by default with a device
   synchronize at the start and end of each phase, so a phase's kernels run inside its own window (this adds idle
-  time: the profiled micro-batch is slower than an unprofiled one, and both are reported);
+  time: the profiled micro-batch is slower than an unprofiled one, and both are reported). With ``sync=False`` the
+  phases are marked without synchronizes: the GPU then runs behind the host as in an unprofiled run, and what the
+  host was doing while the GPU had nothing to run (``gpu_idle_while``) is the critical path as training has it;
 - marks each decoder layer's call through the activation-checkpoint function (``onecard.layer.<i>``), outside the
   compiled layer (no graph break): the same mark in the backward window is that layer's recompute. Under selective
   checkpointing (no checkpoint function; the checkpoint is inside the compiled layer) the layer's call is marked
@@ -16,8 +18,10 @@ the micro-batches it is told to profile (one optimizer step's, after the warm-up
 :func:`breakdown` reads the trace: every GPU event (kernel, memcpy, memset) is attributed to the phase and layer in
 which the CPU *launched* it (the launch is found through the event's ``correlation`` id), and its duration is
 summed per kernel category (:data:`CATEGORIES`, first match wins). GPU busy time is the union of GPU event
-intervals inside a window; idle = window wall time - busy. Everything is reported per micro-batch (mean over the
-profiled ones), in seconds.
+intervals inside a window; idle = window wall time - busy. ``gpu_idle_while`` splits the time in which no GPU
+event runs, from the first profiled micro-batch's start to the last one's end, by where the host's main thread was at
+that moment (a phase, ``host and data``, or ``between micro-batches``). Everything is reported per micro-batch (mean
+over the profiled ones), in seconds.
 """
 
 from __future__ import annotations
@@ -85,6 +89,61 @@ def _where(t: float, wins: list[tuple[float, float]]) -> int | None:
     return i if i >= 0 and wins[i][0] <= t <= wins[i][1] else None
 
 
+def _idle_while(gpu: list[tuple[float, float]], span: tuple[float, float],
+                states: list[tuple[float, float, str]], default: str) -> dict[str, float]:
+    """The time in ``span`` in which none of the ``gpu`` intervals runs, split by the host state that holds it.
+
+    Args:
+        gpu: GPU event intervals (any order; overlapping ones are merged).
+        span: (start, end) of the time to cover.
+        states: disjoint (start, end, name) windows of the host's state; time in none of them is ``default``'s.
+
+    Returns:
+        ``{state: idle time}`` in the units of the inputs, every state of ``states`` and ``default`` listed (0 when
+        the GPU was busy all through it); the values sum to the idle time in ``span``.
+    """
+    lo, hi = span
+    gaps, end = [], lo
+    for a, b in sorted(gpu):
+        if b <= end:
+            continue
+        if a > end:
+            gaps.append((end, min(a, hi)))
+        end = max(end, b)
+        if end >= hi:
+            break
+    if end < hi:
+        gaps.append((end, hi))
+    out = {name: 0.0 for *_, name in states}
+    out[default] = 0.0
+    for a, b in gaps:
+        if b <= a:
+            continue
+        covered = 0.0
+        for s, e, name in states:
+            iv = _clip((a, b), s, e)
+            if iv:
+                out[name] += iv[1] - iv[0]
+                covered += iv[1] - iv[0]
+        out[default] += (b - a) - covered
+    return out
+
+
+def _minus(window: tuple[float, float], holes: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``window`` without the sorted, disjoint ``holes`` (those outside it change nothing), as sorted intervals."""
+    out, t = [], window[0]
+    for a, b in holes:
+        a, b = max(a, window[0]), min(b, window[1])
+        if b <= a:
+            continue
+        if a > t:
+            out.append((t, a))
+        t = max(t, b)
+    if t < window[1]:
+        out.append((t, window[1]))
+    return out
+
+
 def _host_side(ev: list[dict], micro: list[tuple[float, float]], phase_of, names: tuple[str, ...], n: int,
                top: int) -> dict[str, Any]:
     """Per phase of ``names`` (``phase_of(ts)`` says which), per micro-batch of the ``n`` in ``micro``: the launch
@@ -126,7 +185,9 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         [{"name", "count", "s"}]}}`` (launch calls, device waits (:data:`SYNC_RX`; each phase window's own two
         synchronizes included) and the ``top`` host ops by inclusive time, per micro-batch) and
         ``layers["forward_wall_s"]`` (each layer mark's wall time in the forward); phase ``"host and data"`` is the micro-batch's time outside the three
-        phases (fetching the batch, noise, packing, the loss's host read).
+        phases (fetching the batch, noise, packing, the loss's host read); ``"gpu_idle_while": {"host and data",
+        phase..., "between micro-batches": s}``: no GPU event running while the main thread was there (from the
+        first micro-batch's start to the last one's end; with synchronized phases this includes their waits).
 
     Raises:
         ValueError: the trace holds no ``onecard.micro_batch`` mark (it was not written under the wrapper).
@@ -214,11 +275,17 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         phases[p] = {"wall_s": w / n, "gpu_busy_s": b / n, "idle_s": max(w - b, 0.0) / n,
                      "kernels_s": {c: s / n for c, s in sorted(kern[p].items(), key=lambda kv: -kv[1])}}
     all_busy = _union([iv for p in names for iv in busy[p]]) / 1e6
+    in_phase = sorted((a, b, p) for p in PHASES for a, b in phase_win[p])
+    host_data = [(a, b, "host and data") for w in micro for a, b in _minus(w, [(s, e) for s, e, _ in in_phase])]
+    idle = _idle_while([(e["ts"], e["ts"] + e["dur"]) for e in gpu], (micro[0][0], micro[-1][1]),
+                       sorted(in_phase + host_data), "between micro-batches")
+    idle_while = {k: idle.get(k, 0.0) / 1e6 / n for k in names + ("between micro-batches",)}
     layers = sorted({k for v in layer_marks.values() for _, _, k in v})  # every marked layer, even with no GPU events
     tops = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
     return {
         "micro_batches": n, "wall_s": micro_wall / n, "gpu_busy_s": all_busy / n,
         "idle_s": max(micro_wall - all_busy, 0.0) / n, "phases": phases,
+        "gpu_idle_while": idle_while,
         "categories_s": {c: s / n for c, s in sorted(cats_total.items(), key=lambda kv: -kv[1])},
         "recompute_s": recompute / n,
         "layers": {"forward_s": [layer_fwd[k] / n for k in layers], "recompute_s": [layer_rec[k] / n for k in layers],
@@ -231,10 +298,11 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
 
 class _Phases:
     """Stands in for the recipe's memory sampler inside a profiled micro-batch: each phase is also a
-    ``record_function`` mark with a device synchronize at its start and end; everything else is the sampler's."""
+    ``record_function`` mark, with a device synchronize at its start and end when ``sync``; everything else is the
+    sampler's."""
 
-    def __init__(self, mem: Any, device: torch.device):
-        self._mem, self._device = mem, device
+    def __init__(self, mem: Any, device: torch.device, sync: bool = True):
+        self._mem, self._device, self._sync_on = mem, device, sync
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._mem, name)
@@ -250,7 +318,7 @@ class _Phases:
                     self._sync()
 
     def _sync(self) -> None:
-        if self._device.type == "cuda":
+        if self._sync_on and self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
 
 
@@ -262,15 +330,18 @@ class ProfiledMicroBatches:
         iteration: the 0-based optimizer step whose micro-batches to profile (after the warm-up step).
         micros: the micro-batch indices within that step (consecutive; e.g. ``range(1, 4)``).
         trace_path: where to write the Chrome trace (JSON).
+        sync: synchronize the device at each phase's start and end (each phase's GPU work inside its own window;
+            slower than unprofiled); ``False``: no synchronizes, the GPU runs behind the host as it does unprofiled.
 
     After the run, :attr:`result` holds :func:`breakdown` of the trace (``None`` if those micro-batches never ran).
     Raises ``ValueError`` at construction for an empty ``micros``.
     """
 
-    def __init__(self, recipe: Any, iteration: int, micros: range, trace_path: Path):
+    def __init__(self, recipe: Any, iteration: int, micros: range, trace_path: Path, sync: bool = True):
         if len(micros) == 0:
             raise ValueError("micros is empty: name at least one micro-batch to profile")
         self.recipe, self.iteration, self.micros, self.trace_path = recipe, iteration, micros, Path(trace_path)
+        self.sync = sync
         self.result: dict[str, Any] | None = None
         self._prof = None
         self._layer = 0
@@ -335,7 +406,7 @@ class ProfiledMicroBatches:
                     [torch.profiler.ProfilerActivity.CUDA] if self.recipe.device.type == "cuda" else []))
                 self._prof.__enter__()
             mem = self.recipe.mem
-            self.recipe.mem = _Phases(mem, self.recipe.device)
+            self.recipe.mem = _Phases(mem, self.recipe.device, self.sync)
             self._layer = 0
             try:
                 with torch.profiler.record_function(PREFIX + "micro_batch"):
@@ -354,13 +425,16 @@ class ProfiledMicroBatches:
         self.trace_path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.trace_path))
         self.result = breakdown(json.loads(self.trace_path.read_text()))
+        self.result["synchronized_phases"] = self.sync
 
 
 def markdown_table(b: dict[str, Any], unprofiled_s: float | None = None) -> str:
     """The breakdown as markdown: phases (wall, GPU busy, idle), kernel categories per phase, layers, top kernels."""
     ms = lambda s: f"{1e3 * s:.1f}"  # noqa: E731
     cats = list(b["categories_s"])
-    lines = [f"Profiled {b['micro_batches']} micro-batches: {ms(b['wall_s'])} ms each"
+    sync = {True: " (a synchronize at each phase boundary)", False: " (phases not synchronized)"}.get(
+        b.get("synchronized_phases"), "")
+    lines = [f"Profiled {b['micro_batches']} micro-batches{sync}: {ms(b['wall_s'])} ms each"
              + (f" (unprofiled median {ms(unprofiled_s)} ms)" if unprofiled_s else "")
              + f", GPU busy {ms(b['gpu_busy_s'])} ms, idle {ms(b['idle_s'])} ms;"
              f" recompute (activation checkpointing) {ms(b['recompute_s'])} ms of the backward.", "",
@@ -378,6 +452,9 @@ def markdown_table(b: dict[str, Any], unprofiled_s: float | None = None) -> str:
         wl = b["layers"].get("forward_wall_s") or []
         if wl:
             lines[-1] += f" Forward wall per layer {ms(min(wl))}–{ms(max(wl))} ms (sum {ms(sum(wl))})."
+    if b.get("gpu_idle_while"):
+        lines += ["", "GPU idle (no kernel, copy or memset running) while the host's main thread was in: "
+                  + ", ".join(f"{p} {ms(s)} ms" for p, s in b["gpu_idle_while"].items()) + "."]
     if b.get("host"):
         lines += ["", "| phase | launches | device waits | wait ms | top host ops (inclusive ms) |", "|---|---|---|---|---|"]
         for p, h in b["host"].items():

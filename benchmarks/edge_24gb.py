@@ -370,7 +370,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
     if profile:  # micro-batches 1..3 of the last step (0 alone when grad_accum_iter is 1: a smoke)
         ga = args.grad_accum
         prof = bd.ProfiledMicroBatches(recipe, args.steps - 1, range(min(1, ga - 1), min(4, ga)),
-                                       tmp / "traces" / f"{slug(cfg.name)}.json")
+                                       tmp / "traces" / f"{slug(cfg.name)}.json", sync=not args.profile_without_sync)
     t0 = time.perf_counter()
     try:
         s = skeleton.run(recipe)
@@ -494,6 +494,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--profile", default=None,
                     help="comma-separated config names to run once more each, profiled: where the micro-batch time "
                     "goes (benchmarks/breakdown.py; own rows, \"<config> (profiled)\", and a gzipped trace each)")
+    ap.add_argument("--profile-without-sync", action="store_true",
+                    help="the --profile rows mark their phases without device synchronizes: the GPU runs behind the "
+                    "host as unprofiled, and the breakdown's \"GPU idle while\" line is the critical path as training has it")
     ap.add_argument("--checkpoint-layers", default=None,
                     help="[onecard] checkpoint_layers of the \"fewer checkpointed layers\" row (a number of decoder "
                     "layers, \"all\" or \"auto\"; default auto); every other row checkpoints every layer")
@@ -510,6 +513,9 @@ def _main(argv: list[str] | None) -> int:
     timelines = pick("--timelines", args.timelines if args.timelines is not None else "all levers", names,
                      allow_none=True)
     profiles = pick("--profile", args.profile, names) if args.profile is not None else []
+    if args.profile_without_sync and not profiles:
+        raise UserError("--profile-without-sync changes how the --profile rows are profiled, and none is named: add "
+                        "--profile CONFIG, or drop --profile-without-sync")
     at_least("--steps", args.steps, 2, "1 warm-up + measured")
     at_least("--grad-accum", args.grad_accum, 1 if args.smoke else 8,
              "micro-batches per optimizer step" if args.smoke else "the GPU run; any >= 1 with --smoke")

@@ -4,6 +4,7 @@ it end to end as a CPU smoke."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import importlib.util
 import json
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import breakdown as bd
 from benchmarks.checks import result_stem
@@ -82,7 +84,13 @@ def test_events_go_to_the_phase_and_layer_that_launched_them():
     assert b["gpu_busy_s"] == pytest.approx(210e-6)  # the union: the forward GEMM still running at 505..535 overlaps the recompute GEMM by 5 us; the event launched outside is not counted
     assert b["categories_s"]["GEMM"] == pytest.approx(110e-6)
     assert b["top_kernels"][0]["name"] == "sm90_xmma_gemm_bf16bf16_bf16f32" and b["top_kernels"][0]["count"] == 2
+    # GPU idle 790 us of 1000, by where the main thread was: 0..60 and 80..100 (host and data), 100..130 and
+    # 140..200 (encode), 200..230, 270..320 and 370..500 (forward), 500..505, 570..710, 730..810, 815..1000 (backward)
+    assert b["gpu_idle_while"] == {"host and data": pytest.approx(80e-6), "encode": pytest.approx(90e-6),
+                                   "forward": pytest.approx(210e-6), "backward": pytest.approx(410e-6),
+                                   "between micro-batches": 0.0}
     md = bd.markdown_table(b, unprofiled_s=0.0009)
+    assert "host and data 0.1 ms, encode 0.1 ms, forward 0.2 ms, backward 0.4 ms, between micro-batches 0.0 ms" in md
     assert "| backward | 0.5 | 0.1 | 0.4 |" in md and "| forward | 0.3 | 0.1 | 0.2 |" in md
     assert "unprofiled median 0.9 ms" in md and "Decoder layers (2)" in md
 
@@ -94,6 +102,37 @@ def test_overlapping_events_count_once_in_busy_time():
     b = bd.breakdown(t)
     assert b["phases"]["forward"]["gpu_busy_s"] == pytest.approx(140e-6)  # 40 + 20 + 50 + 30, each overlap once
     assert b["phases"]["forward"]["kernels_s"]["fused elementwise (Triton)"] == pytest.approx(40e-6)
+
+
+def test_gpu_idle_is_split_where_the_host_was_across_micro_batches():
+    """Unsynchronized phases: a kernel launched in one phase runs into the next, the GPU idles between two
+    micro-batches, and a kernel runs past the last micro-batch's end (only the profiled span counts)."""
+    ev = [ann("micro_batch", 0, 100), ann("forward", 10, 40), ann("backward", 50, 50),
+          ann("micro_batch", 130, 100), ann("forward", 140, 40), ann("backward", 180, 50)]
+    ev += kernel("gemm_a", 12, 20, 45, 1)        # launched in the forward, runs 20..65 (into the backward)
+    ev += kernel("gemm_b", 60, 70, 50, 2)        # 70..120: past the first micro-batch's end
+    ev += kernel("gemm_c", 185, 200, 60, 3)      # 200..260: past the profiled span's end (230)
+    b = bd.breakdown({"traceEvents": ev})
+    # idle: 0..20 (10 host and data, 10 forward), 65..70 (backward), 120..130 (between), 130..200 (10 host and data,
+    # 40 forward, 20 backward); per micro-batch: halves
+    assert b["gpu_idle_while"] == {"host and data": pytest.approx(10e-6), "encode": 0.0,
+                                   "forward": pytest.approx(25e-6), "backward": pytest.approx(12.5e-6),
+                                   "between micro-batches": pytest.approx(5e-6)}
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_phases_synchronize_only_when_asked(monkeypatch, sync):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+
+    class Mem:
+        @contextlib.contextmanager
+        def phase(self, name):
+            yield
+
+    with bd._Phases(Mem(), torch.device("cuda"), sync).phase("forward"):
+        pass
+    assert len(calls) == (2 if sync else 0)
 
 
 def test_a_trace_without_the_marks_is_refused():
@@ -116,7 +155,7 @@ def test_profile_smoke_adds_a_profiled_row(bench, tmp_path, monkeypatch, small_d
         monkeypatch.delenv(var, raising=False)
     name = "all levers + optimizer-state streaming + selective AC"  # on the CPU: eager, dense-mask fallback as the trainer runs it
     assert bench.main(["--smoke", "--steps", "2", "--grad-accum", "2", "--only", name, "--profile", name,
-                       "--out", str(tmp_path)]) == 0
+                       "--profile-without-sync", "--out", str(tmp_path)]) == 0
     stem = result_stem("cosmos", "edge24gb", "cpu", smoke=True)
     rows = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
     assert [r["config"] for r in rows] == [name, name + " (profiled)"]
@@ -127,7 +166,9 @@ def test_profile_smoke_adds_a_profiled_row(bench, tmp_path, monkeypatch, small_d
     layers = get_preset("tiny").transformer["num_hidden_layers"]
     assert b["micro_batches"] == 1 and len(b["layers"]["forward_s"]) == layers
     assert all(b["phases"][p]["wall_s"] > 0 for p in ("encode", "forward", "backward"))
-    assert f"Where the time goes: {name} (profiled)" in (tmp_path / f"{stem}.md").read_text()
+    assert b["synchronized_phases"] is False and sum(b["gpu_idle_while"].values()) <= b["wall_s"]
+    md = (tmp_path / f"{stem}.md").read_text()
+    assert f"Where the time goes: {name} (profiled)" in md and "(phases not synchronized)" in md
     trace = tmp_path / f"{stem}-{bench.slug(name)}-profile-trace.json.gz"
     assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
 
@@ -174,3 +215,9 @@ def test_an_async_copy_is_a_launch_not_a_wait_and_counts_are_per_micro_batch():
     assert b["micro_batches"] == 2
     fwd = b["host"]["forward"]
     assert fwd["launches"] == 4 and fwd["syncs"] == {"count": 0, "s": 0.0}  # 3 kernels + the async copy, each once
+
+
+def test_profile_without_sync_needs_a_profile_row(bench, tmp_path, capsys):
+    assert bench.main(["--smoke", "--grad-accum", "1", "--profile-without-sync", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--profile-without-sync" in err and not list(tmp_path.iterdir())
