@@ -120,6 +120,13 @@ def test_gpu_idle_is_split_where_the_host_was_across_micro_batches():
                                    "between micro-batches": pytest.approx(5e-6)}
 
 
+def test_idle_after_the_last_gpu_event_counts_and_every_gap_sums_to_the_idle_time():
+    # GPU busy 10..20 of 0..100; the host is in the forward 0..50, then nowhere named
+    assert bd._idle_while([(10, 20)], (0, 100), [(0, 50, "forward")], "between") == {"forward": 40.0, "between": 50.0}
+    # no GPU event at all: the whole span is idle; an event before the span changes nothing
+    assert bd._idle_while([(-30, -10)], (0, 60), [(0, 60, "forward")], "between") == {"forward": 60.0, "between": 0.0}
+
+
 @pytest.mark.parametrize("sync", [True, False])
 def test_phases_synchronize_only_when_asked(monkeypatch, sync):
     calls = []
