@@ -189,3 +189,22 @@ def test_oversized_sample_is_counted_as_a_drop(env, monkeypatch, capsys, caplog)
     assert _final(env / "out")["drops"] == 1  # every other row fits the cap of 300 (test_packing.py)
     dropped = [r for r in caplog.records if r.name == "onecard.packing" and "dropped sample" in r.getMessage()]
     assert len(dropped) == 1 and f"dropped sample {len(rows)} " in dropped[0].getMessage()
+
+
+@pytest.mark.parametrize("keys, needle", [
+    (("cpu_max_iter",), "(CPU smoke: [onecard] cpu_max_iter replace the recipe's values, cap 12288, grad_accum_iter 61)"),
+    ((), "no [onecard] cpu_* value is set, so the recipe's whole schedule runs, cap 12288, grad_accum_iter 61"),
+], ids=["one-key", "none"])
+def test_the_cpu_run_names_the_cpu_keys_it_applies(env, keys, needle):
+    """The run's max_iter line names the cpu_* keys that replaced the recipe's values, and says so when none did
+    (a copy of a shipped TOML without them trains the whole recipe on the CPU)."""
+    text = RECIPE.read_text()
+    for key in ("cpu_max_iter", "cpu_grad_accum_iter", "cpu_max_sequence_length"):
+        if key not in keys:
+            text = "\n".join(line for line in text.splitlines() if not line.startswith(key))
+    toml = env / "recipe.toml"
+    toml.write_text(text)
+    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml)]))
+    recipe.preflight()
+    assert needle in recipe.smoke
+    assert recipe.max_steps == (3 if keys else 500)

@@ -515,8 +515,12 @@ class CosmosSFT(skeleton.Recipe):
             max_iter = oc.cpu_max_iter or max_iter
             self.ga = oc.cpu_grad_accum_iter or self.ga
             self.cap = oc.cpu_max_sequence_length or self.cap
-            self.smoke = (f" (CPU smoke: [onecard] cpu_* values replace the recipe's, cap {self.cap}, "
-                          f"grad_accum_iter {self.ga})")
+            used = [k for k in ("cpu_max_iter", "cpu_grad_accum_iter", "cpu_max_sequence_length") if getattr(oc, k)]
+            self.smoke = (f" (CPU smoke: [onecard] {', '.join(used)} replace the recipe's values, cap {self.cap}, "
+                          f"grad_accum_iter {self.ga})" if used else
+                          f" (CPU, tiny preset: no [onecard] cpu_* value is set, so the recipe's whole schedule runs, "
+                          f"cap {self.cap}, grad_accum_iter {self.ga}; set cpu_max_iter, cpu_grad_accum_iter and "
+                          "cpu_max_sequence_length for a short smoke run)")
         pf.check_at_least(self.args.max_iter, 0, "--max-iter", "pass a step count >= 1, or 0 to keep [trainer].max_iter")
         self.max_steps = self.args.max_iter or max_iter
         src = cfg.source
