@@ -68,14 +68,20 @@ def categorize(name: str) -> str:
     return "other"
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``intervals`` (any order) merged into sorted, disjoint intervals."""
+    out: list[list[float]] = []
     for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by ``intervals`` (overlaps counted once)."""
+    return sum(b - a for a, b in _merged(intervals))
 
 
 def _clip(iv: tuple[float, float], lo: float, hi: float) -> tuple[float, float] | None:
@@ -102,23 +108,9 @@ def _idle_while(gpu: list[tuple[float, float]], span: tuple[float, float],
         ``{state: idle time}`` in the units of the inputs, every state of ``states`` and ``default`` listed (0 when
         the GPU was busy all through it); the values sum to the idle time in ``span``.
     """
-    lo, hi = span
-    gaps, end = [], lo
-    for a, b in sorted(gpu):
-        if b <= end:
-            continue
-        if a > end:
-            gaps.append((end, min(a, hi)))
-        end = max(end, b)
-        if end >= hi:
-            break
-    if end < hi:
-        gaps.append((end, hi))
     out = {name: 0.0 for *_, name in states}
     out[default] = 0.0
-    for a, b in gaps:
-        if b <= a:
-            continue
+    for a, b in _minus(span, _merged(gpu)):  # the gaps: the span without the busy time
         covered = 0.0
         for s, e, name in states:
             iv = _clip((a, b), s, e)

@@ -173,7 +173,7 @@ def test_profile_smoke_adds_a_profiled_row(bench, tmp_path, monkeypatch, small_d
     layers = get_preset("tiny").transformer["num_hidden_layers"]
     assert b["micro_batches"] == 1 and len(b["layers"]["forward_s"]) == layers
     assert all(b["phases"][p]["wall_s"] > 0 for p in ("encode", "forward", "backward"))
-    assert b["synchronized_phases"] is False and sum(b["gpu_idle_while"].values()) <= b["wall_s"]
+    assert b["synchronized_phases"] is False and sum(b["gpu_idle_while"].values()) <= b["wall_s"] * (1 + 1e-9)
     md = (tmp_path / f"{stem}.md").read_text()
     assert f"Where the time goes: {name} (profiled)" in md and "(phases not synchronized)" in md
     trace = tmp_path / f"{stem}-{bench.slug(name)}-profile-trace.json.gz"

@@ -90,6 +90,13 @@ def _sample_noise(seed: int, iteration: int, micro: int, shapes: list[torch.Size
     return sigmas, noise
 
 
+def _flat(tensors: list[torch.Tensor], pin: bool = False) -> torch.Tensor:
+    """Host ``tensors`` flattened and concatenated in order into one new 1-D tensor of their dtype, allocated in
+    pinned memory when ``pin`` (one copy, where a concatenation and then ``pin_memory`` make two)."""
+    out = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=pin)
+    return torch.cat([t.reshape(-1) for t in tensors], out=out)
+
+
 @dataclass
 class HostInputs:
     """One micro-batch's host inputs (:meth:`CosmosSFT._host_inputs`): built for ``key`` = (iteration, micro-batch).
@@ -862,10 +869,10 @@ class CosmosSFT(skeleton.Recipe):
             k, batch = item
             latents = [self.latents.get(CacheItem(s.video_path, s.window, s.size)) for s in batch]
             shapes = [x.shape for x in latents]
-            flat = torch.cat([x.reshape(-1) for x in latents])  # one copy to the GPU, not one per sample
+            flat = _flat(latents, pin)  # one copy to the GPU, not one per sample
             # the micro-batch's host inputs too (noise, sigmas, positions, segments): off the main thread
             host = self._host_inputs(*divmod(k, self.ga), batch, shapes) if self.prepare_ahead else None
-            return batch, (flat.pin_memory() if pin else flat, shapes), host
+            return batch, (flat, shapes), host
 
         def decoded(item):  # the next micro-batches' videos decode on the threads
             _, batch = item
@@ -926,9 +933,9 @@ class CosmosSFT(skeleton.Recipe):
         trainer state, so a loader thread may build it ahead (:meth:`_begin`) while the GPU computes."""
         cuda = self.device.type == "cuda"
         sigmas, noise = _sample_noise(self.cfg.onecard.seed, iteration, micro, shapes)
-        noise = torch.cat([e.reshape(-1) for e in noise])  # the same draws, concatenated
+        noise = _flat(noise, pin=cuda)  # the same draws, concatenated
         if cuda:
-            sigmas, noise = sigmas.pin_memory(), noise.pin_memory()
+            sigmas = sigmas.pin_memory()
         tok = self.tokenizer
         text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
         layout = attention.host_layout(self.model.config, text, shapes, sigmas, [s.record.fps for s in batch], pin=cuda)
