@@ -26,6 +26,10 @@ def status() -> int:
     except flags.FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    problems = [p for var in ROOTS if (p := _root_problem(var, os.environ.get(var, "")))]
+    if problems:  # bad input: one line before any report
+        print(f"error: {problems[0]}", file=sys.stderr)
+        return 2
     print(f"rank {os.environ.get('RANK', '0')}: onecard lever flags")
     for f in flags.ALL_FLAGS:
         print(f"  {f.name}={_shown(f, values[f.name])}  {f.help}")
@@ -70,15 +74,12 @@ def _shown(flag: flags.Flag | flags.ChoiceFlag | flags.CountFlag, value: bool | 
 
 def _upstream_status(values: dict[str, bool | str], var: str, root: str) -> int:
     """Print what the patch table for upstream ``var`` (a key of :data:`ROOTS`) would do to the checkout at
-    ``root``; 0 when ``root`` is unset (the embedded trainer), 2 if it is no checkout or anything mismatches."""
+    ``root`` (checked to be one by :func:`status` first); 0 when ``root`` is unset (the embedded trainer), 2 if
+    anything mismatches."""
     _, _, table, embedded = ROOTS[var]
     if not root:
         print(f"target: {embedded} (levers built in; no upstream patched)")
         return 0
-    problem = _root_problem(var, root)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
     import importlib
 
     return _table_status(values, root, importlib.import_module(table, __package__).patch_set())
@@ -99,8 +100,8 @@ def _root_problem(var: str, root: str) -> str:
         return ""
     name, inside = ROOTS[var][:2]
     if not os.path.isdir(os.path.join(root, *inside)):
-        return (f"{var}={root} is not a {name} checkout (no {'/'.join(inside)}/ in it): point it at your "
-                "checkout, or unset it for the embedded trainer")
+        return (f"{var}={root} is not a {name} checkout (no {'/'.join(inside)}/ in it): point it at the folder that "
+                f"holds {inside[0]}/, or unset it to run the {ROOTS[var][3]}")
     return ""
 
 
