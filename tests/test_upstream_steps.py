@@ -58,6 +58,38 @@ def test_cli_prints_writes_json_and_refuses_bad_input(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad", ["Loss: x", "Time: s"])
-def test_lines_that_do_not_parse_are_not_steps(bad):
-    assert steps.summarise(LOG.replace("Loss: 21.3692", bad).replace("Time: 3.00s", bad), 2, 1.0,
-                           flops_of=lambda s: 1.0)["steps"] == []
+def test_lines_that_do_not_parse_give_no_wall_time(bad):
+    (st,) = steps.summarise(LOG.replace("Loss: 21.3692", bad).replace("Time: 3.00s", bad), 2, 1.0,
+                            flops_of=lambda s: 1.0)["steps"]
+    assert st["s"] is None and st["loss"] is None and st["loader_wait_s"] is None and st["mfu_wall"] is None
+    assert st["model_s"] == 1.0 and st["model_mean_s"] == 0.5
+
+
+def test_a_run_stopped_before_upstreams_last_line_is_summarised_from_its_micro_batches(tmp_path, capsys):
+    """ONECARD_MEMCAP_STOP_AFTER stops the run after the last training_step, before upstream logs that step."""
+    stopped = LOG.replace("Iteration 2: Hit counter: 2/50 | Loss: 21.3692 | Time: 3.00s", "")
+    (st,) = steps.summarise(stopped, 2, 1.0, flops_of=lambda samples: 1e12 * len(samples))["steps"]
+    assert st["step"] == 2 and st["s"] is None and st["loss"] is None and st["s_per_micro_batch"] is None
+    assert st["model_s"] == 1.0 and st["model_mean_s"] == 0.5 and st["model_median_s"] == 0.4
+    assert st["mfu_model"] == 2.0 and st["mfu_wall"] is None
+    log = tmp_path / "run.log"
+    log.write_text(stopped)
+    assert steps.main([str(log), "--grad-accum-iter", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2: wall not logged" in out and "model 1.00 s (mean 0.500 s)" in out
+    assert steps.main([str(log), "--grad-accum-iter", "3"]) == 0  # 5 timed micro-batches: no whole step 2
+    assert "nothing is summarised" in capsys.readouterr().out
+
+
+def test_without_the_edge_preset_the_times_are_summarised_and_mfu_left_out(monkeypatch, tmp_path, capsys):
+    """On the GPU machine beside upstream's own older diffusers the preset cannot be built: no traceback."""
+    monkeypatch.setitem(sys.modules, "benchmarks.edge_24gb", None)  # its import raises ImportError
+    s = steps.summarise(LOG, 2, 989.0)
+    (st,) = s["steps"]
+    assert st["mfu_model"] is None and st["tflop_per_micro_batch"] is None and st["s"] == 3.0
+    assert s["mfu_note"].startswith("MFU not computed")
+    log = tmp_path / "run.log"
+    log.write_text(LOG)
+    assert steps.main([str(log), "--grad-accum-iter", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2: 3.00 s" in out and "MFU" in out.splitlines()[-1] and "%" not in out

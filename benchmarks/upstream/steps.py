@@ -7,6 +7,10 @@ lines ``memcap.py`` writes with ``ONECARD_MEMCAP_STEPS=1`` (``micro-batch K S s 
 ``training_step``, timed between two CUDA synchronisations). For step N (N >= 2; step 1 includes compile and the
 pre-pass) the micro-batches are the ``grad_accum_iter`` calls that end it; its **loader wait** is the step's time minus
 the sum of their times (what the step spent outside ``training_step``: upstream's data loader, callbacks, logging).
+A step whose micro-batches are all timed but whose ``Iteration`` line is missing (a run stopped by
+``ONECARD_MEMCAP_STOP_AFTER`` ends before upstream logs its last step) is summarised without its wall time, loss,
+loader wait and wall MFU. Where the edge preset cannot be built (no diffusers with Cosmos3, e.g. beside upstream's
+own packages on the GPU machine) the times are summarised and MFU is left out, with a line that says why.
 Model FLOPs per micro-batch are :func:`benchmarks.edge_24gb.model_flops` over its logged ``(text, vision)`` split
 with the recipe's trainable keys (``toml/vision_sft_edge_24gb.toml``); MFU is against ``--peak-tflops``
 (default: the H100/H200 dense-BF16 datasheet, 989 TFLOP/s). Prints one line per step from step 2.
@@ -34,34 +38,41 @@ def summarise(text: str, grad_accum_iter: int, peak_tflops: float, flops_of=None
 
     ``flops_of(samples) -> FLOPs`` (default: the edge preset's :func:`model_flops` with :data:`KEYS`).
     """
+    mfu_note = None
     if flops_of is None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        from benchmarks.edge_24gb import model_flops, pathway_params
+        try:
+            from benchmarks.edge_24gb import model_flops, pathway_params
 
-        p = pathway_params("edge", KEYS)
-
-        def flops_of(samples):
-            return model_flops(samples, p)
+            p = pathway_params("edge", KEYS)
+        except ImportError as e:  # e.g. on the GPU machine, beside upstream's own older diffusers
+            mfu_note = f"MFU not computed: the edge preset's FLOPs need README's install ({e})"
+        else:
+            def flops_of(samples):
+                return model_flops(samples, p)
 
     micro = [(float(m.group(2)), json.loads(m.group(3))) for m in MICRO.finditer(text)]
     iters = {int(m.group(1)): (float(m.group(3)), float(m.group(2))) for m in ITER.finditer(text)}
     steps = []
-    for n in sorted(iters):
-        if n < 2 or n * grad_accum_iter > len(micro):
-            continue
+    # every step from 2 whose micro-batches are all timed; its wall time only where upstream logged the step (a run
+    # stopped by ONECARD_MEMCAP_STOP_AFTER ends before upstream's line for its last step)
+    for n in range(2, len(micro) // grad_accum_iter + 1):
         mb = micro[(n - 1) * grad_accum_iter:n * grad_accum_iter]
         model_s = sum(s for s, _ in mb)
-        flops = sum(flops_of([tuple(x) for x in samples]) for _, samples in mb)
-        wall = iters[n][0]
-        steps.append({"step": n, "s": wall, "loss": iters[n][1], "model_s": round(model_s, 2),
-                      "loader_wait_s": round(wall - model_s, 2), "s_per_micro_batch": round(wall / len(mb), 4),
+        flops = sum(flops_of([tuple(x) for x in samples]) for _, samples in mb) if flops_of else None
+        wall, loss = iters.get(n, (None, None))
+        steps.append({"step": n, "s": wall, "loss": loss, "model_s": round(model_s, 2),
+                      "loader_wait_s": None if wall is None else round(wall - model_s, 2),
+                      "s_per_micro_batch": None if wall is None else round(wall / len(mb), 4),
+                      "model_mean_s": round(model_s / len(mb), 4),
                       "model_median_s": statistics.median(s for s, _ in mb[:-1]),
                       "optimizer_micro_batch_s": mb[-1][0],
-                      "tflop_per_micro_batch": round(flops / len(mb) / 1e12, 1),
-                      "mfu_model": round(flops / model_s / (peak_tflops * 1e12), 4),
-                      "mfu_wall": round(flops / wall / (peak_tflops * 1e12), 4)})
+                      "tflop_per_micro_batch": None if flops is None else round(flops / len(mb) / 1e12, 1),
+                      "mfu_model": None if flops is None else round(flops / model_s / (peak_tflops * 1e12), 4),
+                      "mfu_wall": None if flops is None or wall is None else
+                      round(flops / wall / (peak_tflops * 1e12), 4)})
     peak = PEAK.findall(text)
-    return {"grad_accum_iter": grad_accum_iter, "peak_tflops": peak_tflops, "steps": steps,
+    return {"grad_accum_iter": grad_accum_iter, "peak_tflops": peak_tflops, "steps": steps, "mfu_note": mfu_note,
             "peak_gib": {"allocated": float(peak[-1][0]), "reserved": float(peak[-1][1])} if peak else None,
             "micro_batch_s": [s for s, _ in micro]}
 
@@ -93,10 +104,20 @@ def _main(argv: list[str] | None) -> int:
     s = summarise(a.log.read_text(errors="replace"), a.grad_accum_iter, a.peak_tflops)
     if not s["micro_batch_s"]:
         raise UserError(f"{a.log} holds no timed micro-batch: run the harness with ONECARD_MEMCAP_STEPS=1")
+    if not s["steps"]:
+        print(f"no step from step 2 has all its {a.grad_accum_iter} micro-batches timed ({len(s['micro_batch_s'])} "
+              "timed): step 1 includes compile and the pre-pass, so nothing is summarised")
     for st in s["steps"]:
-        print(f"step {st['step']}: {st['s']:.2f} s (loss {st['loss']}), model {st['model_s']:.2f} s, loader wait "
-              f"{st['loader_wait_s']:.2f} s, {st['s_per_micro_batch']:.3f} s per micro-batch, model median "
-              f"{st['model_median_s']:.3f} s, MFU {st['mfu_model']:.1%} (model) / {st['mfu_wall']:.1%} (wall)")
+        wall = ("wall not logged (the run stopped before upstream's line for it)" if st["s"] is None else
+                f"{st['s']:.2f} s (loss {st['loss']})")
+        per = "" if st["s"] is None else (f", loader wait {st['loader_wait_s']:.2f} s, {st['s_per_micro_batch']:.3f} s "
+                                          "per micro-batch")
+        mfu = "" if st["mfu_model"] is None else (
+            f", MFU {st['mfu_model']:.1%} (model)" + ("" if st["mfu_wall"] is None else f" / {st['mfu_wall']:.1%} (wall)"))
+        print(f"step {st['step']}: {wall}, model {st['model_s']:.2f} s (mean {st['model_mean_s']:.3f} s){per}, model "
+              f"median {st['model_median_s']:.3f} s{mfu}")
+    if s["mfu_note"]:
+        print(s["mfu_note"])
     if a.json:
         a.json.write_text(json.dumps(s, indent=1) + "\n")
     return 0
