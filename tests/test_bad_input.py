@@ -378,7 +378,8 @@ def test_frozen_bf16_no_effect_message_says_the_real_reason():
 def test_check_refuses_a_root_that_is_not_a_checkout(tmp_path, var):
     _one_error(_run([sys.executable, "-m", "patches", "check"], **{var: str(tmp_path)}), var, "not a")
     r = _run([sys.executable, "-m", "patches", "status"], **{var: str(tmp_path)})
-    _one_error(r, var, "not a", "point it at the folder that holds", "or unset it to run the embedded")
+    trainer = "embedded H3 trainer" if var == "MILES_DIFFUSION_ROOT" else "embedded reference trainer"
+    _one_error(r, var, "not a", "point it at the folder that holds", f"or unset it to run the {trainer}")
     assert r.stdout == ""  # refused before any report is printed
     assert _tree(tmp_path) == set()
 
