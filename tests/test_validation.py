@@ -385,7 +385,8 @@ def test_ctrl_c_is_one_line_exit_130_and_the_lock_is_released(tmp_path):
 
     script = tmp_path / "toy.py"
     script.write_text(f'''
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job of a shell starts with Ctrl-C ignored
 sys.path[:0] = [{str(Path(__file__).resolve().parents[1])!r}]
 from pathlib import Path
 from patches.core.errors import cli
