@@ -81,6 +81,12 @@ def test_a_run_stopped_before_upstreams_last_line_is_summarised_from_its_micro_b
     assert "nothing is summarised" in capsys.readouterr().out
 
 
+def test_one_micro_batch_per_step_has_a_median():
+    """grad_accum_iter 1: each step is one micro-batch, which also runs the optimizer step (no traceback)."""
+    s = steps.summarise(LOG, 1, 1.0, flops_of=lambda samples: 1.0)["steps"]
+    assert [st["step"] for st in s] == [2, 3, 4, 5] and [st["model_median_s"] for st in s] == [0.5, 0.4, 0.6, 0.8]
+
+
 def test_without_the_edge_preset_the_times_are_summarised_and_mfu_left_out(monkeypatch, tmp_path, capsys):
     """On the GPU machine beside upstream's own older diffusers the preset cannot be built: no traceback."""
     monkeypatch.setitem(sys.modules, "benchmarks.edge_24gb", None)  # its import raises ImportError

@@ -65,7 +65,8 @@ def summarise(text: str, grad_accum_iter: int, peak_tflops: float, flops_of=None
                       "loader_wait_s": None if wall is None else round(wall - model_s, 2),
                       "s_per_micro_batch": None if wall is None else round(wall / len(mb), 4),
                       "model_mean_s": round(model_s / len(mb), 4),
-                      "model_median_s": statistics.median(s for s, _ in mb[:-1]),
+                      # the plain micro-batches (the last one also runs the optimizer step), or the only one
+                      "model_median_s": statistics.median(s for s, _ in (mb[:-1] or mb)),
                       "optimizer_micro_batch_s": mb[-1][0],
                       "tflop_per_micro_batch": None if flops is None else round(flops / len(mb) / 1e12, 1),
                       "mfu_model": None if flops is None else round(flops / model_s / (peak_tflops * 1e12), 4),
