@@ -14,6 +14,7 @@ import sys
 
 from .core import flags
 from .core.errors import ArgumentParser
+from .run import ROOTS, roots_problem
 
 
 def status() -> int:
@@ -26,9 +27,9 @@ def status() -> int:
     except flags.FlagError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    problems = [p for var in ROOTS if (p := _root_problem(var, os.environ.get(var, "")))]
-    if problems:  # bad input: one line before any report
-        print(f"error: {problems[0]}", file=sys.stderr)
+    problem = roots_problem()
+    if problem:  # bad input: one line before any report
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     print(f"rank {os.environ.get('RANK', '0')}: onecard lever flags")
     for f in flags.ALL_FLAGS:
@@ -85,26 +86,6 @@ def _upstream_status(values: dict[str, bool | str], var: str, root: str) -> int:
     return _table_status(values, root, importlib.import_module(table, __package__).patch_set())
 
 
-ROOTS = {"COSMOS_FRAMEWORK_ROOT": ("cosmos-framework", ("cosmos_framework",), ".cosmos_table",
-                                   "embedded reference trainer"),
-         "MILES_DIFFUSION_ROOT": ("miles-diffusion", ("miles", "backends", "fsdp_utils"), ".miles_table",
-                                  "embedded H3 trainer")}
-"""Upstream root variable -> (upstream, the folder inside a checkout that proves it is one, its patch table
-module, what runs without it)."""
-
-
-def _root_problem(var: str, root: str) -> str:
-    """Why ``root`` (the value of ``var``, one of :data:`ROOTS`) is not a checkout, or ``""`` when it is one (or
-    unset)."""
-    if not root:
-        return ""
-    name, inside = ROOTS[var][:2]
-    if not os.path.isdir(os.path.join(root, *inside)):
-        return (f"{var}={root} is not a {name} checkout (no {'/'.join(inside)}/ in it): point it at the folder that "
-                f"holds {inside[0]}/, or unset it to run the {ROOTS[var][3]}")
-    return ""
-
-
 def _table_status(values: dict[str, bool | str], root: str, ps) -> int:
     """Check every target of the patch set ``ps`` in the checkout at ``root`` and print one line each."""
     from .core.errors import UpstreamMismatch
@@ -151,10 +132,9 @@ def check() -> int:
             flags.LATENT_CACHE_DECODE.value()
             check_folder(flags.latent_cache_dir(), flags.LATENT_CACHE_DIR)
         miles = flags.read_miles()
-        for var in ROOTS:
-            problem = _root_problem(var, os.environ.get(var, ""))
-            if problem:
-                raise UpstreamMismatch(problem)
+        problem = roots_problem()
+        if problem:
+            raise UpstreamMismatch(problem)
         patched = apply_from_env()
         miles_root = os.environ.get("MILES_DIFFUSION_ROOT", "")
         if miles_root and any(miles.values()):

@@ -20,6 +20,32 @@ from .core import flags
 from .core.errors import UpstreamMismatch
 
 
+ROOTS = {"COSMOS_FRAMEWORK_ROOT": ("cosmos-framework", ("cosmos_framework",), ".cosmos_table",
+                                   "embedded reference trainer"),
+         "MILES_DIFFUSION_ROOT": ("miles-diffusion", ("miles", "backends", "fsdp_utils"), ".miles_table",
+                                  "embedded H3 trainer")}
+"""Upstream root variable -> (upstream, the folder inside a checkout that proves it is one, its patch table
+module, what runs without it)."""
+
+
+def root_problem(var: str, root: str) -> str:
+    """Why ``root`` (the value of ``var``, one of :data:`ROOTS`) is not a checkout, or ``""`` when it is one (or
+    unset)."""
+    if not root:
+        return ""
+    name, inside = ROOTS[var][:2]
+    if not os.path.isdir(os.path.join(root, *inside)):
+        return (f"{var}={root} is not a {name} checkout (no {'/'.join(inside)}/ in it): point it at the folder that "
+                f"holds {inside[0]}/, or unset it to run the {ROOTS[var][3]}")
+    return ""
+
+
+def roots_problem() -> str:
+    """The first root variable of :data:`ROOTS` set in the environment to a folder that is not a checkout, as
+    :func:`root_problem` words it, or ``""`` (``python -m patches status`` and ``check`` refuse it before anything)."""
+    return next((p for var in ROOTS if (p := root_problem(var, os.environ.get(var, "")))), "")
+
+
 def apply_from_env() -> list[str]:
     """Read the flags, put ``COSMOS_FRAMEWORK_ROOT`` on ``sys.path``, apply the cosmos patch table.
 
@@ -31,9 +57,9 @@ def apply_from_env() -> list[str]:
     root = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
     if not root or not any(values.values()):
         return []  # the embedded trainer has the levers built in; unset flags patch nothing
-    if not os.path.isdir(os.path.join(root, "cosmos_framework")):
-        raise UpstreamMismatch(f"COSMOS_FRAMEWORK_ROOT={root} is not a cosmos-framework checkout (no cosmos_framework/ in it): "
-                               "point it at the folder that holds cosmos_framework/")
+    problem = root_problem("COSMOS_FRAMEWORK_ROOT", root)
+    if problem:
+        raise UpstreamMismatch(problem)
     if root not in sys.path:
         sys.path.insert(0, root)
     from .cosmos_table import patch_set
