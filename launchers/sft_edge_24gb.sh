@@ -46,7 +46,7 @@ TOML_FILE="${TOML_FILE:-$toml}"
 # Upstream's trainer is what runs with COSMOS_FRAMEWORK_ROOT (torchrun -m patches.run cosmos_framework.scripts.train):
 # a folder without that file is refused here, in one line, before anything is written.
 if [[ -n "${COSMOS_FRAMEWORK_ROOT:-}" && ! -f "${COSMOS_FRAMEWORK_ROOT}/cosmos_framework/scripts/train.py" ]]; then
-  echo "error: COSMOS_FRAMEWORK_ROOT=${COSMOS_FRAMEWORK_ROOT} is not a cosmos-framework checkout (no cosmos_framework/scripts/train.py in it): point it at the folder that holds cosmos_framework/, or unset it to run the embedded trainer" >&2
+  echo "error: COSMOS_FRAMEWORK_ROOT=${COSMOS_FRAMEWORK_ROOT} is not a cosmos-framework checkout (no cosmos_framework/scripts/train.py in it): point it at the folder that holds cosmos_framework/, or unset it to run the embedded reference trainer" >&2
   exit 2
 fi
 

@@ -384,6 +384,13 @@ def test_check_refuses_a_root_that_is_not_a_checkout(tmp_path, var):
     assert _tree(tmp_path) == set()
 
 
+def test_the_launcher_gives_the_same_advice_for_a_folder_that_is_not_a_cosmos_checkout(tmp_path):
+    advice = "point it at the folder that holds cosmos_framework/, or unset it to run the embedded reference trainer"
+    _one_error(_run(["bash", str(REPO / "launchers" / "sft_edge_24gb.sh")], COSMOS_FRAMEWORK_ROOT=str(tmp_path)), advice)
+    _one_error(_run([sys.executable, "-m", "patches", "status"], COSMOS_FRAMEWORK_ROOT=str(tmp_path)), advice)
+    assert _tree(tmp_path) == set()
+
+
 @pytest.mark.parametrize("setting", ["folder-is-a-file", "check-not-a-boolean", "decode-not-a-boolean"])
 def test_check_refuses_a_bad_latent_cache_setting_before_upstream_starts(tmp_path, setting):
     """The launcher's upstream branch runs ``patches check`` first: a latent cache folder that is a file, or a check
