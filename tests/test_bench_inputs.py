@@ -351,3 +351,28 @@ def test_metrics_cost_refuses_zero_steps_and_measures_the_metrics_call(tmp_path,
 
     monkeypatch.setattr(mod, "_Run", Dropped)
     assert run()["event_bytes_per_step"] < 40
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--layers", "0"], "error: --layers = 0 must be >= 1"),
+    (["--layers", "29"], "error: --layers 29: the edge preset has 28 decoder layers; use 1 to 28"),
+    (["--preset", "tiny", "--layers", "3"], "error: --layers 3: the tiny preset has 2 decoder layers; use 1 to 2"),
+])
+def test_save_host_refuses_layers_the_preset_lacks(tmp_path, capfd, argv, line):
+    mod = _load("save_host_inputs", "benchmarks/save_host.py")
+    from patches.core.errors import cli
+
+    assert cli(lambda: mod.main([*argv, "--out", str(tmp_path / "o")])) == 2
+    assert capfd.readouterr().err.strip().splitlines() == [line] and not (tmp_path / "o").exists()
+
+
+def test_save_host_measures_both_writers_through_the_trainers_save(tmp_path):
+    """The tiny preset (its largest tensor's fp32 entry, 7.5 MiB, fits one piece): both modes save through the
+    trainer's ``state_dict`` and ``CheckpointManager``, each in its own process, and write one row each."""
+    mod = _load("save_host_run", "benchmarks/save_host.py")
+    assert mod.main(["--preset", "tiny", "--layers", "2", "--out", str(tmp_path)]) == 0
+    (js,) = tmp_path.glob("*_cosmos_cpu_save-host-smoke.json")
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["pieces", "whole"] and js.with_suffix(".md").is_file()
+    assert rows[0]["chunk_bytes"] == 64 * 2**20 and rows[1]["chunk_bytes"] == 2**40
+    assert all(r["file_gib"] > 0 and r["largest_fp32_entry_mib"] == 30528 * 64 * 4 / 2**20 for r in rows)

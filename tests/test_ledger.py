@@ -86,13 +86,17 @@ def test_unknown_toml_is_one_clear_error(capsys, tmp_path):
 
 
 def test_the_save_and_the_host_baseline_on_the_host_column():
-    """One rank streams the save (one largest tensor's fp32 host copy at a time); several gather full copies; a CPU
-    run does not print the GPU machine's measured baseline as its own."""
+    """One rank streams the save (one piece of at most 64 MiB at a time, where the largest tensor's fp32 copy is
+    1 GiB; a tiny model's whole largest tensor); several gather full copies; a CPU run does not print the GPU
+    machine's measured baseline as its own."""
     cfg = cfgmod.load(TOML)
     one = _items(cosmos_ledger(cfg, "edge", LEVERS, device_type="cuda"))
     meta = R.build_transformer(R.get_preset("edge"), device="meta")
-    largest = max(p.numel() for p in meta.parameters())
-    assert one["checkpoint save"].host_bytes == largest * 4 and "streamed" in one["checkpoint save"].name
+    assert max(p.numel() for p in meta.parameters()) * 4 == 2**30  # embed_tokens / lm_head in fp32
+    assert one["checkpoint save"].host_bytes == 64 * 2**20 and "streamed" in one["checkpoint save"].name
+    tiny = R.build_transformer(R.get_preset("tiny"), device="meta")
+    assert (_items(cosmos_ledger(cfg, "tiny", LEVERS, device_type="cpu"))["checkpoint save"].host_bytes
+            == max(p.numel() for p in tiny.parameters()) * 4)
     two = _items(cosmos_ledger(cfg, "edge", LEVERS, world_size=2, device_type="cuda"))
     assert "gathered" in two["checkpoint save"].name
     assert two["checkpoint save"].host_bytes == 3_361_198_784 * 2 + 3_361_198_784 * 4 + 1_414_924_992 * 2 * 2  # full copies on each rank

@@ -2,7 +2,8 @@
 
 The reference is ``torch.save`` of the same object with every :class:`Deferred` made beforehand. Planted (same file):
 the CRC-32s left as the skeleton wrote them (``zipfile`` then reports the archive damaged); every deferred entry made
-before the first write (more than one made tensor alive at once).
+before the first write (more than one made tensor alive at once); a writer that makes a deferred entry with ``piece``
+whole (more than one piece's bytes at once).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def test_the_file_is_a_valid_zip_archive(tmp_path):
 
 
 def test_planted_crc_left_as_the_skeleton_wrote_it_damages_the_archive(tmp_path, monkeypatch):
-    monkeypatch.setattr(streamsave.zlib, "crc32", lambda data: 0)
+    monkeypatch.setattr(streamsave.zlib, "crc32", lambda data, value=0: 0)
     atomic_torch_save(sample(Maker())[0], tmp_path / "s.pt")
     with zipfile.ZipFile(tmp_path / "s.pt") as z:
         assert z.testzip() is not None
@@ -127,3 +128,86 @@ def test_an_object_without_deferred_entries_is_saved_by_torch_save(tmp_path, mon
     monkeypatch.setattr(streamsave, "save", lambda *a, **k: pytest.fail("streamed without a deferred entry"))
     atomic_torch_save({"a": torch.ones(3)}, tmp_path / "s.pt")
     assert torch.equal(torch.load(tmp_path / "s.pt", weights_only=True)["a"], torch.ones(3))
+
+
+class Pieces:
+    """Deferred entries that can be made piece by piece; records each piece's bytes and every whole make."""
+
+    def __init__(self) -> None:
+        self.piece_bytes: list[int] = []
+        self.made_whole = 0
+
+    def __call__(self, value: torch.Tensor) -> Deferred:
+        def make() -> torch.Tensor:
+            self.made_whole += 1
+            return value.clone()
+
+        def piece(start: int, stop: int) -> torch.Tensor:
+            t = value.reshape(-1)[start:stop].clone()
+            self.piece_bytes.append(t.numel() * t.element_size())
+            return t
+        return Deferred(value.shape, value.dtype, make, piece)
+
+
+def pieced_sample(pieces: Pieces) -> tuple[dict, dict]:
+    torch.manual_seed(1)
+    made = {"f": torch.randn(7, 2), "i": torch.arange(6), "nc": torch.randn(5, 6).T, "big": torch.randn(300, 50),
+            "bf": torch.randn(9, 5).to(torch.bfloat16), "flag": torch.rand(11) > 0.5, "empty": torch.empty(0, 3),
+            "scalar": torch.tensor(2.5)}
+    obj = {"a": torch.randn(4, 4), "nested": [{k: pieces(v) for k, v in made.items()}]}
+    # a deferred entry is written contiguous, whatever the strides of what it stands for
+    return obj, {"a": obj["a"], "nested": [{k: v.contiguous() for k, v in made.items()}]}
+
+
+def records(path) -> dict[str, bytes]:
+    """Every record of the torch file at ``path`` by name, but the id torch draws afresh for each save; the archive's
+    CRC-32s checked on the way."""
+    with zipfile.ZipFile(path) as z:
+        return {i.filename: z.read(i) for i in z.infolist() if not i.filename.endswith("serialization_id")}
+
+
+@pytest.mark.parametrize("chunk", [1, 12, 13, 4096, None])
+def test_entries_made_in_pieces_write_the_bytes_torch_save_writes(tmp_path, chunk):
+    """Pieces of every size (one byte, a whole number of 4-byte elements, not one, more than any entry, the
+    default): the file holds the bytes ``torch.save`` of the made object writes, record by record, no piece is larger than ``chunk`` (or
+    than one element where ``chunk`` is smaller), and no entry is made whole."""
+    pieces = Pieces()
+    obj, ref = pieced_sample(pieces)
+    (tmp_path / "ref").mkdir()
+    streamsave.save(obj, tmp_path / "s.pt", chunk=chunk)
+    torch.save(ref, tmp_path / "ref" / "s.pt")  # the same name: the archive's records are named after the file
+    assert records(tmp_path / "s.pt") == records(tmp_path / "ref" / "s.pt")
+    assert same(torch.load(tmp_path / "s.pt", weights_only=True), ref)
+    assert pieces.made_whole == 0 and pieces.piece_bytes
+    assert max(pieces.piece_bytes) <= max(chunk or streamsave.CHUNK_BYTES, 8)
+    if chunk == 13:  # 3 fp32 elements a piece: the 600-element entry comes in 200 pieces
+        assert pieces.piece_bytes.count(12) >= 200
+
+
+def test_planted_a_writer_that_makes_pieced_entries_whole_breaks_the_bound(tmp_path, monkeypatch):
+    real = streamsave._storage_pieces
+
+    def whole(leaf, chunk):
+        if isinstance(leaf, Deferred):
+            leaf = Deferred(leaf.shape, leaf.dtype, leaf.make)
+        yield from real(leaf, chunk)
+
+    monkeypatch.setattr(streamsave, "_storage_pieces", whole)
+    pieces = Pieces()
+    obj, ref = pieced_sample(pieces)
+    streamsave.save(obj, tmp_path / "s.pt", chunk=12)
+    assert same(torch.load(tmp_path / "s.pt", weights_only=True), ref)  # the same file...
+    assert pieces.made_whole > 0  # ...with whole entries made: the test above fails
+
+
+def test_a_piece_of_another_shape_fails_and_leaves_no_file(tmp_path):
+    obj = {"x": Deferred((4,), torch.float32, lambda: torch.zeros(4), lambda a, b: torch.zeros(b - a + 1))}
+    with pytest.raises(ValueError, match=r"piece \[0, 4\) was made as \(5,\)"):
+        atomic_torch_save(obj, tmp_path / "s.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_chunk_below_one_byte_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="chunk must be at least 1 byte, not 0"):
+        streamsave.save({"x": Deferred((1,), torch.float32, lambda: torch.zeros(1))}, tmp_path / "s.pt", chunk=0)
+    assert list(tmp_path.iterdir()) == []

@@ -91,6 +91,19 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", torch.float32, copy=True) if t.is_floating_point() else t.to("cpu", copy=True)
 
 
+def _host_piece(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of :func:`_host_copy` ``(t)`` (row-major), made from that slice of ``t`` alone."""
+    return _host_copy(t.detach().reshape(-1)[start:stop])
+
+
+def _deferred_host_copy(t: torch.Tensor, shape: Any) -> Deferred:
+    """:func:`_host_copy` ``(t)`` made only as the save writes it; piece by piece where ``t`` is contiguous (a
+    non-contiguous ``t`` would be copied whole by the reshape of every piece)."""
+    dtype = torch.float32 if t.is_floating_point() else t.dtype
+    piece = functools.partial(_host_piece, t) if t.is_contiguous() else None
+    return Deferred(shape, dtype, functools.partial(_host_copy, t), piece)
+
+
 def _host_fp32(t: torch.Tensor) -> bool:
     """Whether ``t`` is a float32 host tensor (saved as it is: nothing to convert or move)."""
     return t.device.type == "cpu" and t.dtype == torch.float32
@@ -452,8 +465,10 @@ class EMA:
         (:func:`patches.core.io.alias_bytes`), so a file saved from it holds separate ``net.<k>`` and
         ``net_ema.<k>`` as before; anything else (a bf16 or GPU weight, a GPU shadow) is a
         :class:`patches.core.streamsave.Deferred` that makes its fp32 host copy only as
-        :func:`patches.core.io.atomic_torch_save` writes it, so the save never holds all of them at once (7.25 GiB
-        for Cosmos3-Edge's frozen weights at bf16). Only for such a save: the entries are not tensors.
+        :func:`patches.core.io.atomic_torch_save` writes it, a piece of at most
+        :data:`patches.core.streamsave.CHUNK_BYTES` at a time, so the save never holds all of them at once (7.25 GiB
+        for Cosmos3-Edge's frozen weights at bf16), nor one whole (1 GiB for ``embed_tokens``). Only for such a save:
+        the entries are not tensors.
         """
         return {"num_updates": self.num_updates, "shadow": self._entries(full=True, copy=copy)}
 
@@ -469,7 +484,7 @@ class EMA:
                 if not copy and _host_fp32(buf) and tuple(buf.shape) == tuple(shape):  # world size 1: the whole tensor
                     out[ck] = buf.detach()
                 elif not copy and tuple(buf.shape) == tuple(shape):
-                    out[ck] = Deferred(shape, torch.float32, functools.partial(_host_copy, buf))
+                    out[ck] = _deferred_host_copy(buf, shape)
                 elif full and mesh is not None:
                     # the global shape and stride, so uneven shards (7 rows on 2 ranks, 1 row on 2) gather right
                     out[ck] = as_dtensor(buf, mesh, placements, shape, stride).full_tensor().cpu()
@@ -482,8 +497,7 @@ class EMA:
                 if not copy and _host_fp32(v):
                     out[ck] = alias_bytes(v)
                 elif not copy:  # converted only as the save writes it: never all of them in host memory at once
-                    out[ck] = Deferred(v.shape, torch.float32 if v.is_floating_point() else v.dtype,
-                                       functools.partial(_host_copy, v))
+                    out[ck] = _deferred_host_copy(v, v.shape)
                 else:
                     out[ck] = (v.to("cpu", torch.float32, copy=True) if v.is_floating_point()
                                else v.to("cpu", copy=True))

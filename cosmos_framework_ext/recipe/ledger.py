@@ -31,6 +31,7 @@ import sys
 from typing import Any, Iterable
 
 from patches.core.device import gpu_memory_cap_gib
+from patches.core.streamsave import CHUNK_BYTES
 from patches.core.errors import ArgumentParser, UserError
 from patches.core import flags as flagmod
 from patches.core.flags import EMA_CPU_SUBSET, FROZEN_BF16, LATENT_CACHE, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
@@ -285,8 +286,8 @@ def _host_items(at: _At, ema_on: bool) -> list[Item]:
     else:
         items = [Item("host process baseline", 0, HOST_BASELINE_CPU, note="torch + clip cache (estimate, CPU run)")]
     if at.world == 1:  # the live tensors, written one storage at a time (patches.core.streamsave)
-        items.append(Item("checkpoint save (streamed)", 0, c["largest"] * 4,
-                          note="at a save only: one tensor's fp32 host copy at a time"))
+        items.append(Item("checkpoint save (streamed)", 0, min(c["largest"] * 4, CHUNK_BYTES),
+                          note=f"at a save only: one piece of at most {CHUNK_BYTES // 2**20} MiB at a time"))
     else:  # full copies of net, net_ema and the moments, gathered on every rank
         items.append(Item("checkpoint save (gathered)", 0, c["all"] * at.mb + (c["all"] * 4 if ema_on else 0)
                           + c["train"] * 2 * at.mb, note="at a save only: full host copies of net, net_ema, moments"))

@@ -178,20 +178,21 @@ def atomic_torch_save(obj: Any, path: str | Path) -> Path:
     machine without a GPU, but torch.save copies it to the host only when it writes it, one storage at a time, so the
     save never holds a second copy of the whole state in host memory. An entry that is a
     :class:`patches.core.streamsave.Deferred` is made only when it is written (:func:`patches.core.streamsave.save`):
-    the file is what saving the made tensor writes.
+    the file is what saving the made tensor writes; in such a file every storage that is not already whole in host
+    memory is copied or made :data:`patches.core.streamsave.CHUNK_BYTES` at a time.
     """
     import torch
 
     from .streamsave import holds_deferred, save
 
-    if holds_deferred(obj):  # entries made only as they are written (patches.core.streamsave)
-        return atomic_write(path, lambda p: save(own_storage(obj), p))
     _register_cpu_tag()
+    # entries made only as they are written, GPU storages copied a piece at a time (patches.core.streamsave)
+    streamed = holds_deferred(obj)
 
     def write(p: Path) -> None:
         _SAVE.active = True
         try:
-            torch.save(own_storage(obj), p)
+            (save if streamed else torch.save)(own_storage(obj), p)
         finally:
             _SAVE.active = False
 

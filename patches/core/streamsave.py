@@ -14,11 +14,17 @@ passes with torch's documented tools:
 2. ``torch.load(map_location="meta")`` of that file gives each tensor's storage its offset in the file
    (``_checkpoint_offset``), where its bytes are then written, one storage at a time, and the CRC-32 of each record
    is set in its data descriptor and in the central directory.
+
+A storage that is not already whole in host memory -- one on the GPU, or a :class:`Deferred` that can make itself in
+pieces (``piece``) -- is copied or made and written :data:`CHUNK_BYTES` at a time, so the save adds at most about
+two pieces to the host's memory whatever the largest tensor (Cosmos3-Edge's ``embed_tokens``, whose fp32 EMA entry is
+1 GiB). A :class:`Deferred` without ``piece`` is made whole.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import struct
 import warnings
@@ -26,6 +32,10 @@ import zipfile
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+CHUNK_BYTES = 64 * 2**20
+"""The most bytes of one storage :func:`save` brings into host memory at a time, where the storage is not already
+there whole (a GPU tensor's copy, a :class:`Deferred`'s piece)."""
 
 
 class Deferred:
@@ -36,14 +46,20 @@ class Deferred:
         dtype: its ``torch.dtype``.
         make: returns the tensor (any device; contiguous or not), called once, while the file is written; it must
             have ``shape`` and ``dtype`` (else :func:`save` raises ``ValueError``).
+        piece: optional; ``piece(start, stop)`` returns the elements ``[start, stop)`` of the tensor ``make`` would
+            return, flattened in row-major order: a 1-D tensor of ``stop - start`` elements of ``dtype``, on any
+            device. Given, :func:`save` makes the tensor piece by piece (at most :data:`CHUNK_BYTES` a piece) and
+            never calls ``make``.
     """
 
-    __slots__ = ("shape", "dtype", "make")
+    __slots__ = ("shape", "dtype", "make", "piece")
 
-    def __init__(self, shape: Any, dtype: Any, make: Callable[[], Any]) -> None:
+    def __init__(self, shape: Any, dtype: Any, make: Callable[[], Any],
+                 piece: Callable[[int, int], Any] | None = None) -> None:
         self.shape = tuple(shape)
         self.dtype = dtype
         self.make = make
+        self.piece = piece
 
     def __repr__(self) -> str:
         return f"Deferred(shape={self.shape}, dtype={self.dtype})"
@@ -95,11 +111,37 @@ def _pairs(src: Any, meta: Any) -> Iterator[tuple[Any, Any]]:
             yield from _pairs(v, m)
 
 
-def _storage_bytes(leaf: Any) -> Any:
-    """The bytes of the storage ``torch.save`` writes for ``leaf``, as a host ``uint8`` numpy array (the tensor's
-    storage copied to the host if it lives elsewhere; a :class:`Deferred` made, checked and made contiguous)."""
+def _host_bytes(t: Any) -> Any:
+    """The bytes of the contiguous tensor ``t``'s own elements as a host ``uint8`` numpy array (copied to the host if
+    ``t`` lives elsewhere; a host tensor's bytes are not copied)."""
     import torch
 
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else torch.empty(0, dtype=torch.uint8).numpy()
+
+
+def _storage_pieces(leaf: Any, chunk: int) -> Iterator[Any]:
+    """The bytes of the storage ``torch.save`` writes for ``leaf``, in order, as host ``uint8`` numpy arrays: a host
+    storage whole (no copy); a storage elsewhere copied ``chunk`` bytes at a time; a :class:`Deferred` made piece by
+    piece of at most ``chunk`` bytes where it has ``piece``, else made whole, checked and made contiguous."""
+    import torch
+
+    if isinstance(leaf, Deferred) and leaf.piece is not None:
+        size = torch.empty((), dtype=leaf.dtype).element_size()
+        n = math.prod(leaf.shape)
+        step = max(1, chunk // size)
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            t = leaf.piece(start, stop)
+            if tuple(t.shape) != (stop - start,) or t.dtype != leaf.dtype:
+                raise ValueError(f"a deferred checkpoint tensor's piece [{start}, {stop}) was made as "
+                                 f"{tuple(t.shape)} {t.dtype}, declared ({stop - start},) {leaf.dtype}")
+            data = _host_bytes(t.detach().contiguous())
+            del t
+            yield data
+            del data  # before the next piece is made: one piece alive at a time
+        return
     if isinstance(leaf, Deferred):
         t = leaf.make()
         if tuple(t.shape) != leaf.shape or t.dtype != leaf.dtype:
@@ -112,9 +154,14 @@ def _storage_bytes(leaf: Any) -> Any:
             storage = t.untyped_storage()
     else:
         storage = leaf.untyped_storage()
-    if storage.device.type != "cpu":
-        storage = storage.cpu()
-    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    if storage.device.type == "cpu":
+        yield whole.numpy()
+        return
+    for start in range(0, storage.nbytes(), chunk):
+        data = _host_bytes(whole[start:start + chunk])
+        yield data
+        del data  # before the next piece is copied
 
 
 def _records(path: Path) -> dict[int, tuple[str, int, int]]:
@@ -145,20 +192,25 @@ def _records(path: Path) -> dict[int, tuple[str, int, int]]:
     return out
 
 
-def save(obj: Any, path: str | Path) -> None:
+def save(obj: Any, path: str | Path, chunk: int | None = None) -> None:
     """Write ``obj`` to ``path`` as ``torch.save(obj, path)`` would with each :class:`Deferred` made into its tensor,
-    holding at most one storage's host copy (or one made tensor) at a time.
+    bringing into host memory at most ``chunk`` bytes (default :data:`CHUNK_BYTES`) of a storage that is not already
+    there (a GPU storage's copy, a :class:`Deferred`'s piece) or one :class:`Deferred` made whole, at a time.
 
     ``obj`` holds its tensors in dicts, lists and tuples. Two tensors that share a storage are written once and load
     sharing it, as with ``torch.save``.
 
     Raises:
-        ValueError: a :class:`Deferred` made a tensor of another shape or dtype than it declared.
+        ValueError: a :class:`Deferred` made a tensor (or a piece) of another shape or dtype than it declared;
+            ``chunk`` < 1.
         RuntimeError: this torch's ``torch.load(map_location="meta")`` gives no storage offsets, or the file holds
             a record this writer did not fill (a tensor inside an object that is not a dict, list or tuple).
     """
     import torch
 
+    chunk = CHUNK_BYTES if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"chunk must be at least 1 byte, not {chunk}")
     path = Path(path)
     with torch.serialization.skip_data(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -175,14 +227,17 @@ def save(obj: Any, path: str | Path) -> None:
                                    "checkpoint cannot be streamed")
             if offset in crcs:  # a storage shared with a tensor already written
                 continue
-            data = _storage_bytes(leaf)
-            view = memoryview(data)
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], offset + done)
-            crcs[offset] = zlib.crc32(view)
-            del data, view
-        unfilled = sorted(name for at, (name, _, _) in records.items() if at not in crcs)
+            crc, at = 0, offset
+            for data in _storage_pieces(leaf, chunk):
+                view = memoryview(data)
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], at + done)
+                crc = zlib.crc32(view, crc)
+                at += len(view)
+                del data, view
+            crcs[offset] = crc
+        unfilled = sorted(name for pos, (name, _, _) in records.items() if pos not in crcs)
         if unfilled:
             raise RuntimeError(f"{len(unfilled)} record(s) of {path.name} were not filled (e.g. {unfilled[0]}): a "
                                "tensor sits inside an object other than a dict, list or tuple")

@@ -26,6 +26,7 @@ import torch
 from cosmos_framework_ext.levers import ema as E
 from patches.core.checkpoint import gather_full_state, local_state
 from patches.core.io import atomic_torch_save
+from patches.core import streamsave
 from patches.core.streamsave import Deferred
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,9 +91,13 @@ def test_the_live_save_writes_what_the_copy_path_writes(tmp_path):
     assert torch.equal(frozen["net.1.weight"], frozen["net_ema.1.weight"])  # a frozen tensor: its EMA is itself
 
 
-def test_a_bf16_models_live_save_writes_what_the_copy_path_writes(tmp_path):
+@pytest.mark.parametrize("chunk", [None, 100])
+def test_a_bf16_models_live_save_writes_what_the_copy_path_writes(tmp_path, monkeypatch, chunk):
     """At bf16 (the reference's dtype) a frozen weight's EMA entry is its fp32 cast, made only as the file is
-    written (a :class:`patches.core.streamsave.Deferred`); the file is the copy path's."""
+    written (a :class:`patches.core.streamsave.Deferred`), whole or in pieces of 100 bytes; the file is the copy
+    path's."""
+    if chunk:
+        monkeypatch.setattr(streamsave, "CHUNK_BYTES", chunk)
     equal, separate = same_file_contents(tmp_path, lambda m, o, e: state(m, o, e, live=True), dtype=torch.bfloat16)
     assert equal and separate
     frozen = loaded(tmp_path / "live.pt")["model"]
@@ -104,6 +109,8 @@ def test_a_bf16_models_frozen_ema_entries_are_made_only_when_written():
     model, opt, ema = build(dtype=torch.bfloat16)
     shadow = ema.full_state_dict(copy=False)["shadow"]
     assert isinstance(shadow["1.weight"], Deferred) and shadow["1.weight"].dtype == torch.float32
+    piece = shadow["1.weight"].piece(5, 9)  # made in pieces: elements 5..8 of the row-major fp32 cast
+    assert piece.dtype == torch.float32 and torch.equal(piece, model[1].weight.detach().float().reshape(-1)[5:9])
     assert torch.is_tensor(shadow["0.weight"])  # a tracked entry: the fp32 host shadow itself
 
 
@@ -133,10 +140,15 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from tests.equivalence.test_checkpoint_stream import build, state
     from patches.core.io import atomic_torch_save
+    from patches.core import streamsave
     mode, dtype = sys.argv[2].split("-")
-    # fp32: 218 MB of weights, 109 MB trainable (about 450 MB of state); bf16: 109 MB of weights, the frozen half's
-    # fp32 EMA entries 109 MB
-    model, opt, ema = build(width=1024, layers=52, dtype=getattr(torch, dtype))
+    if mode in ("pieces", "whole"):  # one frozen bf16 weight of 128 MiB: its fp32 EMA entry is 256 MiB
+        if mode == "whole":  # planted: a piece as large as the entry
+            streamsave.CHUNK_BYTES = 2**40
+        model, opt, ema = build(width=8192, layers=2, dtype=getattr(torch, dtype))
+    else:  # fp32: 218 MB of weights, 109 MB trainable (about 450 MB of state); bf16: 109 MB of weights, the frozen
+        # half's fp32 EMA entries 109 MB
+        model, opt, ema = build(width=1024, layers=52, dtype=getattr(torch, dtype))
     proc = psutil.Process()
     base, peak, done = proc.memory_info().rss, [0], []
     def watch():
@@ -162,15 +174,23 @@ def host_growth_mb(tmp_path, mode: str) -> float:
     return json.loads(r.stdout.strip().splitlines()[-1])["extra_mb"]
 
 
-@pytest.mark.parametrize("mode", ["live-float32", "copy-float32", "live-bfloat16", "eager-bfloat16"])
+@pytest.mark.parametrize("mode", ["live-float32", "copy-float32", "live-bfloat16", "eager-bfloat16",
+                                  "pieces-bfloat16", "whole-bfloat16"])
 def test_the_save_adds_no_second_copy_in_host_memory(tmp_path, mode):
     """Planted: the copy path (``copy``) holds host copies of net, EMA and optimizer state during the save; at bf16
-    the EMA's fp32 casts of the frozen weights made before the save (``eager``: 109 MB) are held through it."""
+    the EMA's fp32 casts of the frozen weights made before the save (``eager``: 109 MB) are held through it. A frozen
+    weight whose fp32 EMA entry (256 MiB) is larger than a piece (:data:`patches.core.streamsave.CHUNK_BYTES`, 64 MiB)
+    adds one piece (``pieces``; two alive at once would add 134 MB); planted: the entry made whole (``whole``) adds
+    all of it."""
     extra = host_growth_mb(tmp_path, mode)
     if mode.startswith("live"):
         assert extra < 64, f"the save added {extra:.0f} MB of host memory"
+    elif mode.startswith("pieces"):
+        assert extra < 100, f"the save added {extra:.0f} MB of host memory, more than one 67 MB piece"
     elif mode.startswith("copy"):
         assert extra > 300, f"the copy path added only {extra:.0f} MB: the bound above cannot fail"
+    elif mode.startswith("whole"):
+        assert extra > 250, f"the whole entry added only {extra:.0f} MB: the bound above cannot fail"
     else:
         assert extra > 100, f"the eager casts added only {extra:.0f} MB: the bound above cannot fail"
 
@@ -187,12 +207,24 @@ def test_gpu_tensors_are_written_as_cpu_tensors(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
-def test_a_bf16_gpu_models_live_save_writes_what_the_copy_path_writes(tmp_path):
-    """The reference's case on the GPU: bf16 weights on the card, the frozen ones' fp32 EMA entries made as written."""
+@pytest.mark.parametrize("chunk", [None, 100])
+def test_a_bf16_gpu_models_live_save_writes_what_the_copy_path_writes(tmp_path, monkeypatch, chunk):
+    """The reference's case on the GPU: bf16 weights on the card, the frozen ones' fp32 EMA entries made as written,
+    the GPU storages copied in one piece (64 MiB, the default) or 100 bytes at a time; the file loads onto the CPU
+    without ``map_location``."""
+    copies: list[tuple[str, int]] = []  # (device, bytes) of every piece brought to the host
+    real = streamsave._host_bytes
+    monkeypatch.setattr(streamsave, "_host_bytes",
+                        lambda t: copies.append((t.device.type, t.numel() * t.element_size())) or real(t))
+    if chunk:
+        monkeypatch.setattr(streamsave, "CHUNK_BYTES", chunk)
     model, opt, ema = build(dtype=torch.bfloat16)
     model.cuda()
     atomic_torch_save(state(model, opt, ema, live=False), tmp_path / "copy.pt")
     atomic_torch_save(state(model, opt, ema, live=True), tmp_path / "live.pt")
-    a, b = dict(flat(loaded(tmp_path / "copy.pt"))), dict(flat(loaded(tmp_path / "live.pt")))
+    a = dict(flat(loaded(tmp_path / "copy.pt")))
+    b = dict(flat(torch.load(tmp_path / "live.pt", weights_only=False)))  # no map_location: written as CPU tensors
+    assert any(d == "cuda" for d, _ in copies)  # the GPU storages came through the piece writer...
+    assert max(n for _, n in copies) <= (chunk or 64 * 2**20)  # ...in pieces
     assert a.keys() == b.keys() and all(b[k].device.type == "cpu" and b[k].dtype == a[k].dtype
                                         and torch.equal(a[k], b[k]) for k in a)
