@@ -78,6 +78,7 @@ def test_main_job_trains_two_steps_with_the_8_gpu_schedule(first_run):
     tmp, r = first_run
     assert "preset tiny on CPU (no GPU found)" in r.stdout
     assert "8 micro-batches per step as 8 ranks would run them" in r.stdout
+    assert "global batch 8 = 16 prompts x 1 sample(s) per prompt / 2 steps per rollout" in r.stdout
     s = json.loads((tmp / "out" / "h3_t2va_sft" / "summary.json").read_text())
     assert s["steps"] == 2 and s["global_batch"] == 8 and s["micro_batches_per_step"] == 8
     assert s["nonfinite_skipped_steps"] == 0 and s["nonfinite_skips"] == []  # counted (miles_ext.levers.finite_step)

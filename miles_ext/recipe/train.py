@@ -541,7 +541,8 @@ class H3SFTRecipe(Recipe):
         self.preset = get_preset(cfg.preset if cfg.preset != "auto" else ("full" if cuda else "tiny"))
         where = torch.cuda.get_device_name(self.device) if cuda else "CPU (no GPU found)"
         print(f"onecard: H3 LoRA SFT, preset {self.preset.name} on {where}; global batch {self.gbs} = "
-              f"{cfg.rollout_batch_size} x {cfg.n_samples_per_prompt} / {cfg.num_steps_per_rollout}, "
+              f"{cfg.rollout_batch_size} prompts x {cfg.n_samples_per_prompt} sample(s) per prompt / "
+              f"{cfg.num_steps_per_rollout} steps per rollout, "
               f"{self.micro_per_step} micro-batches per step as {cfg.from_gpus} ranks would run them", flush=True)
 
     def _init_process_group(self, stack: contextlib.ExitStack) -> None:
