@@ -114,6 +114,14 @@ def test_a_bf16_models_frozen_ema_entries_are_made_only_when_written():
     assert torch.is_tensor(shadow["0.weight"])  # a tracked entry: the fp32 host shadow itself
 
 
+def test_a_non_contiguous_weight_is_made_whole_not_in_pieces():
+    """A piece is a slice of the flattened weight, which for a non-contiguous weight is a whole copy each time: such an
+    entry is made whole, once."""
+    t = torch.randn(4, 6).to(torch.bfloat16)
+    assert E._deferred_host_copy(t, t.shape).piece is not None
+    assert E._deferred_host_copy(t.T, t.T.shape).piece is None
+
+
 def test_the_live_state_is_the_training_state_itself():
     model, opt, ema = build()
     net, optim = local_state(model, opt)
