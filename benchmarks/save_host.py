@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -94,13 +95,15 @@ def child(preset_name: str, layers: int, device: str, chunk: int | None, path: s
             peak[0] = max(peak[0], proc.memory_info().rss)
             time.sleep(0.0005)
 
-    w = threading.Thread(target=watch)
+    w = threading.Thread(target=watch, daemon=True)
     w.start()
     t0 = time.perf_counter()
-    written = CheckpointManager(path).save(1, run.state_dict())
+    try:
+        written = CheckpointManager(path).save(1, run.state_dict())
+    finally:
+        done.append(1)  # the sampler stops whether the save worked or not
+        w.join()
     seconds = time.perf_counter() - t0
-    done.append(1)
-    w.join()
     return {"save_adds_host_mib": (max(peak[0], proc.memory_info().rss) - base) / MiB, "host_rss_before_gib": base / 2**30,
             "save_s": seconds, "file_gib": written.stat().st_size / 2**30,
             "largest_fp32_entry_mib": max(p.numel() for p in model.parameters()) * 4 / MiB,
@@ -108,21 +111,42 @@ def child(preset_name: str, layers: int, device: str, chunk: int | None, path: s
                 p.numel() for p in model.parameters() if p.requires_grad), "chunk_bytes": streamsave.CHUNK_BYTES}
 
 
+def _file_bytes(preset_name: str, layers: int) -> int:
+    """About the bytes one save writes: ``net`` in bf16, ``net_ema`` in fp32, the trained subset's AdamW moments in
+    bf16 (the model built on the meta device)."""
+    from cosmos_framework_ext.recipe import config as cfgmod
+    from cosmos_framework_ext.recipe.presets import build_transformer, get_preset, select_trainable
+
+    preset = get_preset(preset_name)
+    preset = type(preset)(**{**preset.__dict__, "transformer": {**preset.transformer, "num_hidden_layers": layers}})
+    model = build_transformer(preset, device="meta")
+    names = dict(model.named_parameters())
+    keys = cfgmod.load(str(ROOT / "toml" / "vision_sft_edge_24gb.toml")).optimizer.keys_to_select
+    trained = sum(names[n].numel() for n in select_trainable(list(names), keys))
+    return sum(p.numel() for p in names.values()) * (2 + 4) + trained * 2 * 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = ArgumentParser(description="What one Cosmos checkpoint save adds to the host's memory (pieces vs whole)")
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers of the preset's (edge: 28; default 4)")
+    ap = ArgumentParser(description="What one Cosmos checkpoint save adds to the host's memory (pieces vs whole)",
+                        allow_abbrev=False)
+    ap.add_argument("--layers", type=int, help="decoder layers of the preset's (edge: 28; default 4, or all of a "
+                    "smaller preset's)")
     ap.add_argument("--preset", choices=("edge", "tiny"), default="edge", help="model size (tiny: tests; default edge)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the weights live (default cpu)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results folder")
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # MODE PATH: one measurement, in this process
+    ap.add_argument("--child", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)  # one measurement, here
     args = ap.parse_args(argv)
-    if args.child:
-        mode, path = args.child
-        print(json.dumps(child(args.preset, args.layers, args.device, MODES[mode], path)))
-        return 0
     from cosmos_framework_ext.recipe.presets import get_preset
 
     most = get_preset(args.preset).transformer["num_hidden_layers"]
+    if args.layers is None:
+        args.layers = min(4, most)
+    if args.child:  # the parent's own call: its arguments were checked there
+        mode, path = args.child
+        print(json.dumps(child(args.preset, args.layers, args.device, MODES[mode], path)))
+        return 0
+    if not args.out:
+        raise UserError("--out is empty: give the folder the results go to (default benchmarks/results)")
     at_least("--layers", args.layers, 1)
     if args.layers > most:
         raise UserError(f"--layers {args.layers}: the {args.preset} preset has {most} decoder layers; use 1 to {most}")
@@ -134,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     out = writable_dir("--out", args.out)
     stem = result_stem("cosmos", "save-host", device, smoke=args.preset == "tiny")
     free_targets("--out", out, [f"{stem}.json", f"{stem}.md"])
+    need = _file_bytes(args.preset, args.layers)
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if free < 1.1 * need:
+        raise UserError(f"the temporary folder {tempfile.gettempdir()} has {free / 2**30:.1f} GiB free and each save "
+                        f"writes about {need / 2**30:.1f} GiB: set TMPDIR to a folder with room, or lower --layers")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:
@@ -143,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                                 "--preset", args.preset, "--child", mode, str(Path(tmp) / mode)],
                                capture_output=True, text=True, cwd=ROOT)
             if r.returncode:
-                raise RuntimeError(f"the {mode} child failed:\n{r.stderr[-3000:]}")
+                last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+                raise UserError(f"the {mode} measurement failed in its own process: {last[:300]} (run it alone: "
+                                f"python benchmarks/save_host.py --preset {args.preset} --layers {args.layers} "
+                                f"--device {args.device} --child {mode} PATH)")
             row = {"mode": mode, **json.loads(r.stdout.strip().splitlines()[-1])}
             print(f"save-host: {mode}: the save added {row['save_adds_host_mib']:.0f} MiB in {row['save_s']:.1f} s",
                   flush=True)

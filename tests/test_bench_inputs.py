@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -376,3 +377,34 @@ def test_save_host_measures_both_writers_through_the_trainers_save(tmp_path):
     assert [r["mode"] for r in rows] == ["pieces", "whole"] and js.with_suffix(".md").is_file()
     assert rows[0]["chunk_bytes"] == 64 * 2**20 and rows[1]["chunk_bytes"] == 2**40
     assert all(r["file_gib"] > 0 and r["largest_fp32_entry_mib"] == 30528 * 64 * 4 / 2**20 for r in rows)
+
+
+def test_save_host_a_failed_save_ends_the_measurement_and_the_run_with_one_line(tmp_path, capfd, monkeypatch):
+    """A save that fails (here: the checkpoint folder is a file) ends its process instead of leaving the memory
+    sampler running for ever; the parent reports a failed measurement as one ``error:`` line and writes nothing."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "save_host.py"), "--preset", "tiny", "--layers", "1",
+                        "--child", "pieces", str(afile)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode != 0 and "NotADirectoryError" in r.stderr
+    mod = _load("save_host_fail", "benchmarks/save_host.py")
+    from patches.core.errors import cli
+
+    monkeypatch.setattr(mod.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 1, "", "Traceback ...\nOSError: [Errno 28] No space left on device\n"))
+    assert cli(lambda: mod.main(["--preset", "tiny", "--out", str(tmp_path / "o")])) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the pieces measurement failed in its own process: OSError: "
+                                                "[Errno 28] No space left on device")
+    assert not (tmp_path / "o").exists()
+
+
+def test_save_host_refuses_a_temporary_folder_without_room_for_the_save(tmp_path, capfd, monkeypatch):
+    mod = _load("save_host_room", "benchmarks/save_host.py")
+    from patches.core.errors import cli
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(mod.shutil, "disk_usage", lambda p: real(p)._replace(free=2**20))
+    assert cli(lambda: mod.main(["--preset", "tiny", "--out", str(tmp_path / "o")])) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has 0.0 GiB free and each save writes about" in err[0] and "set TMPDIR" in err[0]
