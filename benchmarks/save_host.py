@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -43,29 +44,38 @@ MODES = {"pieces": None, "whole": 2**40}
 MiB = 2**20
 
 
+def _model(preset_name: str, layers: int, device: Any = None, dtype: Any = None) -> tuple[Any, list[str]]:
+    """The preset's transformer with ``layers`` decoder layers (random init; ``device="meta"`` allocates nothing) and
+    the names of the parameters the 24 GB recipe trains (its ``keys_to_select``)."""
+    import dataclasses
+
+    from cosmos_framework_ext.recipe import config as cfgmod
+    from cosmos_framework_ext.recipe.presets import build_transformer, get_preset, select_trainable
+
+    preset = get_preset(preset_name)
+    preset = dataclasses.replace(preset, transformer={**preset.transformer, "num_hidden_layers": layers})
+    model = build_transformer(preset, device=device, dtype=dtype)
+    keys = cfgmod.load(str(ROOT / "toml" / "vision_sft_edge_24gb.toml")).optimizer.keys_to_select
+    return model, select_trainable([n for n, _ in model.named_parameters()], keys)
+
+
 def child(preset_name: str, layers: int, device: str, chunk: int | None, path: str) -> dict:
     """Build the state in this process and save it once (the child's body); returns the measured figures."""
-    import threading
     import time
 
-    import psutil
     import torch
 
     from cosmos_framework_ext.levers import ema as E
-    from cosmos_framework_ext.recipe import config as cfgmod
-    from cosmos_framework_ext.recipe.presets import build_transformer, get_preset, select_trainable
     from cosmos_framework_ext.recipe.train import CosmosSFT
     from patches.core import streamsave
     from patches.core.checkpoint import CheckpointManager
+    from patches.core.runtime import host_rss
+    from patches.core.sampler import MemorySampler
 
     if chunk is not None:
         streamsave.CHUNK_BYTES = chunk
-    preset = get_preset(preset_name)
-    preset = type(preset)(**{**preset.__dict__, "transformer": {**preset.transformer, "num_hidden_layers": layers}})
     torch.manual_seed(0)
-    model = build_transformer(preset, device=device, dtype=torch.bfloat16)
-    keys = cfgmod.load(str(ROOT / "toml" / "vision_sft_edge_24gb.toml")).optimizer.keys_to_select
-    trainable = select_trainable([n for n, _ in model.named_parameters()], keys)
+    model, trainable = _model(preset_name, layers, device, torch.bfloat16)
     chosen = set(trainable)
     for n, p in model.named_parameters():
         p.requires_grad_(n in chosen)
@@ -85,26 +95,17 @@ def child(preset_name: str, layers: int, device: str, chunk: int | None, path: s
     run.model, run.opt, run.ema, run.world, run.trainable = model, opt, ema, 1, trainable
     run.sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     run.done, run.consumed = 1, 1
-    proc = psutil.Process()
     if device == "cuda":
         torch.cuda.synchronize()
-    base, peak, done = proc.memory_info().rss, [0], []
-
-    def watch() -> None:
-        while not done:
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.0005)
-
-    w = threading.Thread(target=watch, daemon=True)
-    w.start()
-    t0 = time.perf_counter()
-    try:
+    base = host_rss()
+    # the trainers' own sampler (a daemon thread, stopped on leaving the block whether the save worked or not), every
+    # 0.5 ms, the save as its "checkpoint" phase
+    with MemorySampler(device, interval_s=0.0005) as sampler, sampler.phase("checkpoint"):
+        t0 = time.perf_counter()
         written = CheckpointManager(path).save(1, run.state_dict())
-    finally:
-        done.append(1)  # the sampler stops whether the save worked or not
-        w.join()
-    seconds = time.perf_counter() - t0
-    return {"save_adds_host_mib": (max(peak[0], proc.memory_info().rss) - base) / MiB, "host_rss_before_gib": base / 2**30,
+        seconds = time.perf_counter() - t0
+    peak = sampler.peaks()["phases"]["checkpoint"]["host_rss_bytes"]
+    return {"save_adds_host_mib": (peak - base) / MiB, "host_rss_before_gib": base / 2**30,
             "save_s": seconds, "file_gib": written.stat().st_size / 2**30,
             "largest_fp32_entry_mib": max(p.numel() for p in model.parameters()) * 4 / MiB,
             "params": sum(p.numel() for p in model.parameters()), "trainable_params": sum(
@@ -114,15 +115,9 @@ def child(preset_name: str, layers: int, device: str, chunk: int | None, path: s
 def _file_bytes(preset_name: str, layers: int) -> int:
     """About the bytes one save writes: ``net`` in bf16, ``net_ema`` in fp32, the trained subset's AdamW moments in
     bf16 (the model built on the meta device)."""
-    from cosmos_framework_ext.recipe import config as cfgmod
-    from cosmos_framework_ext.recipe.presets import build_transformer, get_preset, select_trainable
-
-    preset = get_preset(preset_name)
-    preset = type(preset)(**{**preset.__dict__, "transformer": {**preset.transformer, "num_hidden_layers": layers}})
-    model = build_transformer(preset, device="meta")
+    model, trainable = _model(preset_name, layers, "meta")
     names = dict(model.named_parameters())
-    keys = cfgmod.load(str(ROOT / "toml" / "vision_sft_edge_24gb.toml")).optimizer.keys_to_select
-    trained = sum(names[n].numel() for n in select_trainable(list(names), keys))
+    trained = sum(names[n].numel() for n in trainable)
     return sum(p.numel() for p in names.values()) * (2 + 4) + trained * 2 * 2
 
 
@@ -180,11 +175,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"save-host: {mode}: the save added {row['save_adds_host_mib']:.0f} MiB in {row['save_s']:.1f} s",
                   flush=True)
             rows.append(row)
+    _write(out, stem, device, torch.__version__, args.preset, args.layers, most, rows)
+    return 0
+
+
+def _write(out: Path, stem: str, device: str, torch_version: str, preset: str, layers: int, most: int,
+           rows: list[dict]) -> None:
+    """``<stem>.json`` (the rows as measured) and ``<stem>.md`` (their table) under ``out``, together; the table
+    printed too."""
     import datetime
 
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "device": device,
-            "torch": torch.__version__, "preset": args.preset, "layers": args.layers, "rows": rows}
-    md = [f"{meta['date']}, {device}, torch {meta['torch']}; {args.preset} preset in bf16 with {args.layers} of its {most} decoder "
+            "torch": torch_version, "preset": preset, "layers": layers, "rows": rows}
+    md = [f"{meta['date']}, {device}, torch {torch_version}; {preset} preset in bf16 with {layers} of its {most} decoder "
           f"layers ({rows[0]['params']:,} params, {rows[0]['trainable_params']:,} trained), EMA of the trained subset in "
           "host fp32, one save through `CosmosSFT.state_dict` and `CheckpointManager.save`; random weights.", "",
           "| mode | piece bytes | largest fp32 entry MiB | host RSS before GiB | the save adds MiB | save s | file GiB |",
@@ -197,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     write_together({out / f"{stem}.json": json.dumps(meta, indent=1) + "\n", out / f"{stem}.md": "\n".join(md) + "\n"})
     print("\n".join(md))
     print(f"save-host: wrote {out / stem}.json and .md")
-    return 0
 
 
 if __name__ == "__main__":
