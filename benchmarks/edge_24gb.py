@@ -341,6 +341,17 @@ def replay_samples(recipe: train.CosmosSFT) -> list[list[tuple[int, int]]]:
     return [[(s.und_tokens, s.gen_tokens) for s in next(it)] for _ in range(recipe.consumed)]
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+"""``torch.cuda.memory_stats`` counters a row reports (over its run, warm-up and save included): a retry frees
+cached blocks and waits for the device, so a capped row that retries loses the host's lead on the GPU."""
+
+
+def allocator_counts() -> dict[str, int]:
+    """The :data:`ALLOCATOR_COUNTS` of the current CUDA device now (cumulative since the process started)."""
+    st = torch.cuda.memory_stats()
+    return {k: int(st.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
 def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | None, peak: float | None,
             profile: bool = False) -> dict:
     """Run one configuration and return its row; ``profile``: the row named ``<config> (profiled)``, with
@@ -372,6 +383,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         prof = bd.ProfiledMicroBatches(recipe, args.steps - 1, range(min(1, ga - 1), min(4, ga)),
                                        tmp / "traces" / f"{slug(cfg.name)}.json", sync=not args.profile_without_sync)
     t0 = time.perf_counter()
+    before = allocator_counts() if cuda else {}
     try:
         s = skeleton.run(recipe)
     except torch.OutOfMemoryError as e:
@@ -407,6 +419,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         host_tables_gib=(s.get("host_tables") or {}).get("host_bytes", 0) / GiB,
         host_inputs_built=s.get("host_inputs_built"),
         compile_note=s.get("compile"),
+        allocator={k: v - before.get(k, 0) for k, v in allocator_counts().items()} if cuda else None,
     )
     if flops_p is not None and times:
         flops = sum(model_flops(b, flops_p) for b in batches)
