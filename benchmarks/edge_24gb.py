@@ -352,6 +352,11 @@ def allocator_counts() -> dict[str, int]:
     return {k: int(st.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
+def allocator_delta(before: dict[str, int]) -> dict[str, int]:
+    """The :data:`ALLOCATOR_COUNTS` since ``before`` (an :func:`allocator_counts` reading)."""
+    return {k: v - before.get(k, 0) for k, v in allocator_counts().items()}
+
+
 def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | None, peak: float | None,
             profile: bool = False) -> dict:
     """Run one configuration and return its row; ``profile``: the row named ``<config> (profiled)``, with
@@ -388,7 +393,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         s = skeleton.run(recipe)
     except torch.OutOfMemoryError as e:
         row.update(status="out of memory", peak_gpu_gib=torch.cuda.max_memory_allocated() / GiB,
-                   peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / GiB, error=str(e).split("\n")[0][:300])
+                   peak_gpu_reserved_gib=torch.cuda.max_memory_reserved() / GiB, error=str(e).split("\n")[0][:300],
+                   allocator=allocator_delta(before))
         row["wall_s"] = time.perf_counter() - t0
         return row
     ga = recipe.ga
@@ -419,7 +425,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         host_tables_gib=(s.get("host_tables") or {}).get("host_bytes", 0) / GiB,
         host_inputs_built=s.get("host_inputs_built"),
         compile_note=s.get("compile"),
-        allocator={k: v - before.get(k, 0) for k, v in allocator_counts().items()} if cuda else None,
+        allocator=allocator_delta(before) if cuda else None,
     )
     if flops_p is not None and times:
         flops = sum(model_flops(b, flops_p) for b in batches)
