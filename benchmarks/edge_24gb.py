@@ -31,7 +31,8 @@ Configurations 4 and 5 need the trainer's packed-attention setting (``[onecard] 
 ``skipped``.
 
 **Reported per configuration:** median s per micro-batch and per optimizer step (steps after the first), each
-measured micro-batch's seconds in order (JSON ``micro_batch_s``: the outliers a median hides), s per sample
+measured micro-batch's seconds in order (JSON ``micro_batch_s``: the outliers a median hides) beside its tokens
+(``tokens_per_micro_batch``, the same order: a slow micro-batch is told from a long one), s per sample
 (measured micro-batch time / samples), peak allocated and reserved GiB, the ledger's prediction,
 model FLOPs utilisation, the latent cache's pre-pass (s, hits, misses, bytes; **not** part of any step time),
 the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS (the run's peak, and the peak
@@ -412,7 +413,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         s_per_micro_batch=s["s_per_micro_batch_median"], s_per_step=s["s_per_step_median"],
         s_per_sample=sum(times) / n_samples if n_samples else None,
         micro_batch_s=[round(t, 4) for t in times], measured_samples=n_samples,
-        tokens_per_micro_batch=sorted(sum(u + v for u, v in b) for b in batches),
+        tokens_per_micro_batch=[sum(u + v for u, v in b) for b in batches],
         ema_critical_path_s=(s["ema"] or {}).get("critical_path_s_median"),
         vae_park_unpark_s_per_micro_batch=(
             (vae["park_seconds"] + vae["unpark_seconds"]) / max(vae["unpark_count"], 1) if vae else None),

@@ -53,6 +53,7 @@ def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, small_dataset)
     assert stock["prepass"] is None and cached["prepass"]["misses"] == cached["prepass"]["entries"] > 0
     assert cached["prepass_s"] > 0 and all(r["s_per_sample"] > 0 and r["model_tflop_per_s"] > 0 for r in rows)
     assert all(len(r["micro_batch_s"]) == 1 and r["micro_batch_s"][0] > 0 for r in rows)  # step 2 of 2 (ga 1)
+    assert all(len(r["tokens_per_micro_batch"]) == len(r["micro_batch_s"]) for r in rows)  # index for index
     assert all(r["host_rss_save_gib"] > 0 and r["checkpoint_gb"] > 0 for r in rows)  # each row saved once...
     assert not list(tmp_path.rglob("iter_*.pt"))  # ...and deleted its checkpoint
     md = (tmp_path / f"{stem}.md").read_text()

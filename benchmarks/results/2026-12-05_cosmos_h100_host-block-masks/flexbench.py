@@ -1,6 +1,7 @@
 # GPU microbenchmark (run from the repository root with PYTHONPATH=.; argument: the JSON to write): compiled flex
 # attention forward and backward at a cap-size packed micro-batch, per kernel-options setting; each setting run twice.
-import json, sys, time
+import json
+import sys
 import torch
 import torch._dynamo
 from torch.nn.attention.flex_attention import flex_attention
