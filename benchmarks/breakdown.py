@@ -17,8 +17,10 @@ the micro-batches it is told to profile (one optimizer step's, after the warm-up
 
 :func:`breakdown` reads the trace: every GPU event (kernel, memcpy, memset) is attributed to the phase and layer in
 which the CPU *launched* it (the launch is found through the event's ``correlation`` id), and its duration is
-summed per kernel category (:data:`CATEGORIES`, first match wins). GPU busy time is the union of GPU event
-intervals inside a window; idle = window wall time - busy. ``gpu_idle_while`` splits the time in which no GPU
+summed per kernel category (:data:`CATEGORIES`, first match wins). A phase's GPU busy time is the time in which some
+GPU event ran while the host's main thread was in that phase, whoever launched it (without synchronizes the GPU runs
+behind the host, so the kernels a phase launched may run in the next one); idle = the phase's wall time - busy, the
+same as its ``gpu_idle_while``. ``gpu_idle_while`` splits the time in which no GPU
 event runs, from the first profiled micro-batch's start to the last one's end, by where the host's main thread was at
 that moment (a phase, ``host and data``, or ``between micro-batches``). Everything is reported per micro-batch (mean
 over the profiled ones), in seconds.
@@ -77,11 +79,6 @@ def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    """The time covered by ``intervals`` (overlaps counted once)."""
-    return sum(b - a for a, b in _merged(intervals))
 
 
 def _clip(iv: tuple[float, float], lo: float, hi: float) -> tuple[float, float] | None:
@@ -223,7 +220,6 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
 
     names = ("host and data",) + PHASES
     kern = {p: defaultdict(float) for p in names}
-    busy = {p: [] for p in names}
     cats_total = defaultdict(float)
     recompute = 0.0
     layer_fwd, layer_rec = defaultdict(float), defaultdict(float)
@@ -238,9 +234,6 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         dur = e["dur"] / 1e6
         kern[phase][cat] += dur
         cats_total[cat] += dur
-        iv = _clip((e["ts"], e["ts"] + e["dur"]), *micro[mb])
-        if iv:
-            busy[phase].append(iv)
         k = layer_of(lt, tid) if phase in ("forward", "backward") else None
         if k is not None:
             (layer_fwd if phase == "forward" else layer_rec)[k] += dur
@@ -260,23 +253,23 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         return sum(b - a for a, b in wins) / 1e6
 
     micro_wall = wall(micro)
-    phases = {}
-    for p in names:
-        w = wall(phase_win[p]) if p in PHASES else micro_wall - sum(wall(phase_win[q]) for q in PHASES)
-        b = _union(busy[p]) / 1e6
-        phases[p] = {"wall_s": w / n, "gpu_busy_s": b / n, "idle_s": max(w - b, 0.0) / n,
-                     "kernels_s": {c: s / n for c, s in sorted(kern[p].items(), key=lambda kv: -kv[1])}}
-    all_busy = _union([iv for p in names for iv in busy[p]]) / 1e6
     in_phase = sorted((a, b, p) for p in PHASES for a, b in phase_win[p])
     host_data = [(a, b, "host and data") for w in micro for a, b in _minus(w, [(s, e) for s, e, _ in in_phase])]
     idle = _idle_while([(e["ts"], e["ts"] + e["dur"]) for e in gpu], (micro[0][0], micro[-1][1]),
                        sorted(in_phase + host_data), "between micro-batches")
     idle_while = {k: idle.get(k, 0.0) / 1e6 / n for k in names + ("between micro-batches",)}
+    phases = {}
+    for p in names:  # busy: a GPU event ran while the host was in the phase (whoever launched it)
+        w = wall(phase_win[p]) if p in PHASES else micro_wall - sum(wall(phase_win[q]) for q in PHASES)
+        i = min(idle.get(p, 0.0) / 1e6, w)
+        phases[p] = {"wall_s": w / n, "gpu_busy_s": (w - i) / n, "idle_s": i / n,
+                     "kernels_s": {c: s / n for c, s in sorted(kern[p].items(), key=lambda kv: -kv[1])}}
+    all_idle = min(sum(idle.get(p, 0.0) for p in names) / 1e6, micro_wall)
     layers = sorted({k for v in layer_marks.values() for _, _, k in v})  # every marked layer, even with no GPU events
     tops = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:top]
     return {
-        "micro_batches": n, "wall_s": micro_wall / n, "gpu_busy_s": all_busy / n,
-        "idle_s": max(micro_wall - all_busy, 0.0) / n, "phases": phases,
+        "micro_batches": n, "wall_s": micro_wall / n, "gpu_busy_s": (micro_wall - all_idle) / n,
+        "idle_s": all_idle / n, "phases": phases,
         "gpu_idle_while": idle_while,
         "categories_s": {c: s / n for c, s in sorted(cats_total.items(), key=lambda kv: -kv[1])},
         "recompute_s": recompute / n,

@@ -22,7 +22,8 @@ Optional (``--only``): ``all levers + optimizer-state streaming + selective AC``
 ``[model.activation_checkpointing] mode = "selective"``: the attention outputs kept, not recomputed); the same
 ``+ fewer checkpointed layers`` (``[onecard] checkpoint_layers``: ``--checkpoint-layers``, default ``"auto"``);
 the same ``+ host inputs on the main thread`` (each micro-batch's noise, positions and segment indices built on the
-main thread, as before they moved to the loader threads: the A/B of that change);
+main thread, as before they moved to the loader threads: the A/B of that change); the same ``+ C++ wrapper``
+(``[onecard] compile_wrapper = "cpp"``: the compiled layers' kernels launched by inductor's C++ wrapper);
 ``12 GB card: all levers + optimizer-state streaming + lookup tables on the host`` (``[onecard] host_embeddings``,
 full checkpointing, its own cap of 11.0 GiB); ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
@@ -135,6 +136,8 @@ class Config:
     """``[onecard] host_embeddings = true``."""
     cap_gib: float | None = None
     """This row's card cap in GiB instead of ``--budget-gib`` (a smaller card)."""
+    compile_wrapper: str = ""
+    """``[onecard] compile_wrapper`` to set (empty: the trainer's default, inductor's Python wrapper)."""
     inputs_on_main_thread: bool = False
     """Build every micro-batch's host inputs on the main thread (the trainer's path before they moved to the loader
     threads: the A/B of that change)."""
@@ -166,6 +169,9 @@ OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + host inputs on the "
            "main thread", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            selective=True, checkpoint_layers="auto", inputs_on_main_thread=True),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + C++ wrapper",
+           {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True, selective=True,
+           checkpoint_layers="auto", compile_wrapper="cpp"),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
@@ -288,7 +294,7 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
     layers = (checkpoint_layers or cfg.checkpoint_layers) if cfg.checkpoint_layers else ""
     values = {"compile_blocks": cfg.compile,  # the embedded trainer compiles only when compile_blocks says so as well
               "checkpoint_layers": int(layers) if layers.isdigit() else layers,
-              "host_embeddings": cfg.host_embeddings}
+              "host_embeddings": cfg.host_embeddings, "compile_wrapper": cfg.compile_wrapper}
     # unset: False or "" (0 checkpointed layers is a value); JSON writes these scalars as TOML does
     onecard = [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not False and value != ""]
     if onecard:

@@ -421,10 +421,11 @@ def test_sampler_interval_is_checked_before_anything_runs(tmp_path, value):
 
 
 @pytest.mark.parametrize("edit, needle", [
+    (("compile_blocks = true", 'compile_blocks = false\ncompile_wrapper = "cpp"'), "[onecard].compile_wrapper = \"cpp\""),
     (('distributed_parallelism = "fsdp"', 'distributed_parallelism = "ddp"'),
      "[trainer].distributed_parallelism = 'ddp'"),
     (('precision                    = "bfloat16"', 'precision                    = "float16"'), "[model].precision = 'float16'"),
-], ids=["ddp", "float16"])
+], ids=["cpp-wrapper-uncompiled", "ddp", "float16"])
 def test_ledger_and_dryrun_refuse_what_the_trainer_refuses(tmp_path, edit, needle):
     text = (REPO / "toml" / "vision_sft_edge_24gb.toml").read_text()
     assert edit[0] in text

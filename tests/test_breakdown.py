@@ -75,8 +75,11 @@ def test_events_go_to_the_phase_and_layer_that_launched_them():
     assert ph["backward"]["kernels_s"] == {"GEMM": pytest.approx(40e-6),
                                            "elementwise / reduce (eager)": pytest.approx(20e-6),
                                            "other": pytest.approx(5e-6)}
-    assert ph["backward"]["gpu_busy_s"] == pytest.approx(65e-6)
-    assert ph["backward"]["idle_s"] == pytest.approx(435e-6)
+    # busy while the host was in the backward (500..1000): 505..570 (the forward's GEMM still running, then the
+    # recompute GEMM), 710..730, 810..815
+    assert ph["backward"]["gpu_busy_s"] == pytest.approx(90e-6)
+    assert ph["backward"]["idle_s"] == pytest.approx(410e-6)
+    assert ph["forward"]["gpu_busy_s"] == pytest.approx(90e-6)  # 230..270, 320..370: the GEMM it launched at 390 runs later
     assert b["recompute_s"] == pytest.approx(40e-6)
     assert b["layers"] == {"forward_s": [pytest.approx(40e-6), pytest.approx(80e-6)],
                            "recompute_s": [0.0, pytest.approx(40e-6)],
@@ -92,6 +95,8 @@ def test_events_go_to_the_phase_and_layer_that_launched_them():
     md = bd.markdown_table(b, unprofiled_s=0.0009)
     assert "host and data 0.1 ms, encode 0.1 ms, forward 0.2 ms, backward 0.4 ms, between micro-batches 0.0 ms" in md
     assert "| backward | 0.5 | 0.1 | 0.4 |" in md and "| forward | 0.3 | 0.1 | 0.2 |" in md
+    for p in ph:  # the table's idle column is the idle-while line
+        assert ph[p]["idle_s"] == pytest.approx(b["gpu_idle_while"][p])
     assert "unprofiled median 0.9 ms" in md and "Decoder layers (2)" in md
 
 
@@ -100,7 +105,7 @@ def test_overlapping_events_count_once_in_busy_time():
     t["traceEvents"] += kernel("triton_poi_fused_mul_1", 221, 235, 10, 99)  # inside the GEMM's 230..270
     t["traceEvents"] += kernel("triton_poi_fused_mul_2", 222, 260, 30, 98)  # 260..290: 10 us of it overlap the GEMM
     b = bd.breakdown(t)
-    assert b["phases"]["forward"]["gpu_busy_s"] == pytest.approx(140e-6)  # 40 + 20 + 50 + 30, each overlap once
+    assert b["phases"]["forward"]["gpu_busy_s"] == pytest.approx(110e-6)  # 230..290 and 320..370, each overlap once
     assert b["phases"]["forward"]["kernels_s"]["fused elementwise (Triton)"] == pytest.approx(40e-6)
 
 

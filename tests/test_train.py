@@ -79,13 +79,16 @@ def test_bad_environment_fails_with_one_line_and_writes_nothing(env, monkeypatch
          "unknown key(s) ['max_caption_tokenz'] in [dataloader_train]"),
         ({"[onecard]": "[onecard]\n[mystery]\nx = 1\n[onecard2]"}, "unknown table [mystery]"),
         ({"rate            = 0.1": "rate            = 0.9"}, "[model.ema].rate = 0.9 must be > 0 and < 0.28"),
+        ({"compile_blocks = true": 'compile_blocks = false\ncompile_wrapper = "cpp"'},
+         '[onecard].compile_wrapper = "cpp" chooses the wrapper of compiled layers, and the layers are not compiled'),
+        ({"compile_blocks = true": 'compile_blocks = true\ncompile_wrapper = "c++"'}, "compile_wrapper"),
         ({"compile_blocks = true": "compile_blocks = {}"},
          "[onecard].compile_blocks is a table here, and it takes a value"),
         ({"compile_blocks = true": "compile_blocks = [true]"},
          "[onecard].compile_blocks = [true] has the wrong type: expected true or false"),
     ],
-    ids=["empty-keys", "keys-match-nothing", "unknown-key", "unknown-table", "bad-ema-rate", "table-for-a-value",
-         "list-for-a-bool"],
+    ids=["empty-keys", "keys-match-nothing", "unknown-key", "unknown-table", "bad-ema-rate", "cpp-wrapper-uncompiled",
+         "unknown-wrapper", "table-for-a-value", "list-for-a-bool"],
 )
 def test_bad_toml_fails_with_one_line_and_writes_nothing(env, capsys, edit, needle):
     rc, out, err = run_main(["--sft-toml", str(small_toml(env, **edit))], capsys)

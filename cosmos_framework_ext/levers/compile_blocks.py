@@ -14,6 +14,13 @@ symbolic. Either way a new length does not recompile again (``tests/equivalence/
 counts the compiles). The segment masks / block masks reach the compiled layer through the shared attention
 processor, as tensors, so they are graph inputs as well, not constants.
 
+``[onecard] compile_wrapper = "cpp"`` compiles the layers with inductor's C++ wrapper (``options={"cpp_wrapper":
+True}``): the generated code that allocates the outputs and launches the kernels is C++, not Python. The kernels
+and their order are the same, so the results are the same: bitwise on the CPU, and on the GPU within the compiled
+layers' own run-to-run difference (a stated fp32 tolerance; proof: ``tests/equivalence/test_compile_wrapper.py``);
+what changes is the host time per kernel launch, which bounds a forward whose layers launch faster than the GPU
+runs them.
+
 The embedded trainer compiles on a GPU only: on the CPU (tests, smoke runs) the step runs eagerly, and the
 proof compiles with the ``eager``/``aot_eager`` backends, which trace exactly what ``inductor`` would be given.
 """
@@ -22,10 +29,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compile_blocks"]
+__all__ = ["WRAPPERS", "compile_blocks"]
+
+WRAPPERS = ("python", "cpp")
+"""Values of ``[onecard] compile_wrapper``: inductor's Python wrapper (its default) or its C++ wrapper."""
 
 
-def compile_blocks(model: torch.nn.Module, dynamic: bool = True, backend: str = "inductor") -> int:
+def compile_blocks(model: torch.nn.Module, dynamic: bool = True, backend: str = "inductor",
+                   wrapper: str = "python") -> int:
     """Compile each repeated block of ``model`` in place; returns how many were wrapped.
 
     Args:
@@ -34,11 +45,19 @@ def compile_blocks(model: torch.nn.Module, dynamic: bool = True, backend: str = 
         dynamic: ``[model.compile].compile_dynamic``: True marks every size dynamic from the first compile;
             False lets PyTorch's automatic dynamic shapes do it at the first size change.
         backend: ``torch.compile`` backend (``inductor`` on the GPU; tests use ``eager``).
+        wrapper: ``"python"`` or ``"cpp"`` (:data:`WRAPPERS`): inductor's wrapper code; ``"cpp"`` needs
+            ``backend="inductor"`` (the other backends generate no wrapper).
 
     Raises:
-        ValueError: ``model`` has no repeated blocks to compile (diffusers' message).
+        ValueError: ``model`` has no repeated blocks to compile (diffusers' message); ``wrapper`` not one of
+            :data:`WRAPPERS`, or ``"cpp"`` with a backend other than inductor.
     """
-    model.compile_repeated_blocks(dynamic=True if dynamic else None, backend=backend)
+    if wrapper not in WRAPPERS:
+        raise ValueError(f"compile wrapper {wrapper!r} is not one of {list(WRAPPERS)}")
+    if wrapper == "cpp" and backend != "inductor":
+        raise ValueError(f"the C++ wrapper is inductor's: backend {backend!r} generates no wrapper")
+    options = {"options": {"cpp_wrapper": True}} if wrapper == "cpp" else {}
+    model.compile_repeated_blocks(dynamic=True if dynamic else None, backend=backend, **options)
     names = set(getattr(model, "_repeated_blocks", ()))
     return sum(1 for m in model.modules() if type(m).__name__ in names)
 

@@ -305,6 +305,12 @@ class OnecardConfig:
     (which sets ``[model.compile] enabled = true``) runs the eager reference; the 24 GB recipes turn it on
     (proofs: tests/equivalence/test_compile_blocks.py, on the CPU and on a GPU). Upstream's trainer reads only
     ``[model.compile]``."""
+    compile_wrapper: Literal["python", "cpp"] = "python"
+    """The code that launches each compiled layer's kernels (inductor's wrapper). ``python`` (default): inductor's
+    Python wrapper. ``cpp``: its C++ wrapper (``torch.compile`` option ``cpp_wrapper``), the same kernels launched
+    with less host time per kernel (a forward that is launch-bound waits less), a longer first compile. The same
+    values (tests/equivalence/test_compile_wrapper.py). Needs ``compile_blocks = true`` and ``[model.compile]
+    enabled = true``."""
     checkpoint_layers: int | Literal["all", "auto"] = dataclasses.field(default="all", metadata=meaning(ge=0))
     """How many decoder layers (the first ones) ``[model.activation_checkpointing]`` checkpoints; the others keep
     every activation their backward needs and recompute nothing (faster, more GPU memory; the same gradients:
@@ -489,7 +495,7 @@ def check_honoured(cfg: SFTConfig, world: int = 1) -> None:
             activation checkpointing other than full/selective/none, shard/replicate degrees other than all ranks); a
             peak learning rate ``lr x max(f_max, f_start)`` above 1 or a schedule that never rises above 0;
             ``lr x weight_decay`` >= 1 (AdamW's decay factor ``1 - lr x wd`` would flip or zero the weights);
-            an empty ``keys_to_select`` pattern (it
+            ``compile_wrapper = "cpp"`` for layers that are not compiled; an empty ``keys_to_select`` pattern (it
             matches every parameter); a ``[job]`` project/group/name that is not one plain folder name.
     """
     c, src = cfg, cfg.source
@@ -502,6 +508,11 @@ def check_honoured(cfg: SFTConfig, world: int = 1) -> None:
             raise UserError(f"{src}: {where} = {value!r} is not implemented by the embedded trainer (it runs "
                             f"{' or '.join(map(repr, ok))}): use one of those, or run upstream's trainer "
                             "(COSMOS_FRAMEWORK_ROOT)")
+    if c.onecard.compile_wrapper == "cpp" and not (c.onecard.compile_blocks and c.model.compile.enabled):
+        raise UserError(f"{src}: [onecard].compile_wrapper = \"cpp\" chooses the wrapper of compiled layers, and the "
+                        f"layers are not compiled ([onecard].compile_blocks = {str(c.onecard.compile_blocks).lower()}, "
+                        f"[model.compile].enabled = {str(c.model.compile.enabled).lower()}): set both to true, or "
+                        "drop compile_wrapper")
     par = c.model.parallelism
     if par.data_parallel_replicate_degree != 1 or par.data_parallel_shard_degree not in (-1, world):
         raise UserError(f"{src}: [model.parallelism] data_parallel_shard_degree = {par.data_parallel_shard_degree}, "

@@ -643,11 +643,14 @@ class CosmosSFT(skeleton.Recipe):
         self.proc = attention.install(model)
         model.train()
         self.compile_note = "eager"
+        cpp = cfg.onecard.compile_wrapper == "cpp"
         if cfg.onecard.compile_blocks and cfg.model.compile.enabled and device.type == "cuda":  # each decoder layer
-            n = compile_blocks(model, dynamic=cfg.model.compile.compile_dynamic)
-            self.compile_note = f"{n} decoder layers compiled (dynamic={cfg.model.compile.compile_dynamic})"
+            n = compile_blocks(model, dynamic=cfg.model.compile.compile_dynamic, wrapper=cfg.onecard.compile_wrapper)
+            self.compile_note = (f"{n} decoder layers compiled (dynamic={cfg.model.compile.compile_dynamic}"
+                                 f"{', C++ wrapper' if cpp else ''})")
         elif cfg.onecard.compile_blocks and cfg.model.compile.enabled:  # asked for, on a CPU: say why not
-            self.compile_note = "eager (the layers are compiled on a GPU only)"
+            unused = '; compile_wrapper = "cpp" is unused' if cpp else ""
+            self.compile_note = f"eager (the layers are compiled on a GPU only{unused})"
         # Lever: frozen parameters stored as their compute-dtype cast (before FSDP2 records the dtypes).
         self.frozen = FrozenBF16(model, self.dtype) if (self.frozen_lever and self.mixed) else None
         if self.world > 1 or self.mixed:
