@@ -18,8 +18,8 @@ processor, as tensors, so they are graph inputs as well, not constants.
 True}``): the generated code that allocates the outputs and launches the kernels is C++, not Python. The kernels
 and their order are the same, so the results are the same: bitwise on the CPU, and on the GPU within the compiled
 layers' own run-to-run difference (a stated fp32 tolerance; proof: ``tests/equivalence/test_compile_wrapper.py``);
-what changes is the host time per kernel launch, which bounds a forward whose layers launch faster than the GPU
-runs them.
+what changes is the host time per kernel launch, which bounds a forward whose kernels the host launches more slowly
+than the GPU runs them.
 
 The embedded trainer compiles on a GPU only: on the CPU (tests, smoke runs) the step runs eagerly, and the
 proof compiles with the ``eager``/``aot_eager`` backends, which trace exactly what ``inductor`` would be given.

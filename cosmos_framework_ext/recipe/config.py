@@ -309,7 +309,8 @@ class OnecardConfig:
     """The code that launches each compiled layer's kernels (inductor's wrapper). ``python`` (default): inductor's
     Python wrapper. ``cpp``: its C++ wrapper (``torch.compile`` option ``cpp_wrapper``), the same kernels launched
     with less host time per kernel (a forward that is launch-bound waits less), a longer first compile. The same
-    values (tests/equivalence/test_compile_wrapper.py). Needs ``compile_blocks = true`` and ``[model.compile]
+    values: bitwise on the CPU, within a stated fp32 tolerance on the GPU
+    (tests/equivalence/test_compile_wrapper.py). Needs ``compile_blocks = true`` and ``[model.compile]
     enabled = true``."""
     checkpoint_layers: int | Literal["all", "auto"] = dataclasses.field(default="all", metadata=meaning(ge=0))
     """How many decoder layers (the first ones) ``[model.activation_checkpointing]`` checkpoints; the others keep
