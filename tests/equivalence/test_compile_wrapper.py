@@ -24,12 +24,14 @@ built" check; a C++ wrapper whose kernels changed with it (inductor's CPU kernel
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
 import torch
 
 from cosmos_framework_ext.levers.compile_blocks import WRAPPERS, compile_blocks
+from cosmos_framework_ext.recipe.config import OnecardConfig
 from tests.equivalence import tiny_recipe as R
 from tests.equivalence.test_compile_blocks import _step
 
@@ -48,8 +50,8 @@ def _run(compile_fn, impl: str = "dense", device: str = "cpu") -> list[tuple[tor
 
 
 def _same(a, b) -> bool:
-    return all(torch.equal(la, lb) and len(ga) == len(gb) > 0 and all(torch.equal(x, y) for x, y in zip(ga, gb))
-               for (la, ga), (lb, gb) in zip(a, b))
+    """Bitwise the same runs: every loss and gradient equal (:func:`_worst` with no difference at all)."""
+    return _worst(a, b) == 0.0
 
 
 def _cpp_entries(cache: Path) -> int:
@@ -91,7 +93,12 @@ def test_a_wrapper_that_cannot_be_built_is_refused(wrapper, backend):
     model, _ = R.make_model()
     with pytest.raises(ValueError, match="wrapper"):
         compile_blocks(model, backend=backend, wrapper=wrapper)
-    assert WRAPPERS == ("python", "cpp")
+
+
+def test_the_config_key_takes_the_wrappers_compile_blocks_builds():
+    """``[onecard] compile_wrapper``'s values (the config's ``Literal``) are :data:`WRAPPERS`, no more, no fewer."""
+    hints = typing.get_type_hints(OnecardConfig)
+    assert typing.get_args(hints["compile_wrapper"]) == WRAPPERS == ("python", "cpp")
 
 
 GPU_RTOL = 1e-5
