@@ -138,6 +138,8 @@ class Config:
     """This row's card cap in GiB instead of ``--budget-gib`` (a smaller card)."""
     compile_wrapper: str = ""
     """``[onecard] compile_wrapper`` to set (empty: the trainer's default, inductor's Python wrapper)."""
+    detach_text_stream: bool = False
+    """``[onecard] detach_text_stream = true`` (no backward pass through the frozen text stream)."""
     inputs_on_main_thread: bool = False
     """Build every micro-batch's host inputs on the main thread (the trainer's path before they moved to the loader
     threads: the A/B of that change)."""
@@ -172,6 +174,9 @@ OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + C++ wrapper",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True, selective=True,
            checkpoint_layers="auto", compile_wrapper="cpp"),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached",
+           {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True, selective=True,
+           checkpoint_layers="auto", detach_text_stream=True),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
@@ -294,7 +299,8 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
     layers = (checkpoint_layers or cfg.checkpoint_layers) if cfg.checkpoint_layers else ""
     values = {"compile_blocks": cfg.compile,  # the embedded trainer compiles only when compile_blocks says so as well
               "checkpoint_layers": int(layers) if layers.isdigit() else layers,
-              "host_embeddings": cfg.host_embeddings, "compile_wrapper": cfg.compile_wrapper}
+              "host_embeddings": cfg.host_embeddings, "compile_wrapper": cfg.compile_wrapper,
+              "detach_text_stream": cfg.detach_text_stream}
     # unset: False or "" (0 checkpointed layers is a value); JSON writes these scalars as TOML does
     onecard = [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not False and value != ""]
     if onecard:

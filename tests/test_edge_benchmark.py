@@ -95,8 +95,11 @@ def test_each_rows_onecard_keys_reach_its_toml(bench, tmp_path):
     cfg = load_sft_config(bench.recipe_toml(rows[fastest], 8, 3, tmp_path, "0"))
     o = cfg.onecard
     assert (o.compile_blocks, o.checkpoint_layers, o.host_embeddings, o.compile_wrapper) == (True, 0, False, "python")
+    assert not o.detach_text_stream
     o = load_sft_config(bench.recipe_toml(rows[fastest + " + C++ wrapper"], 8, 3, tmp_path, "0")).onecard
     assert (o.compile_blocks, o.checkpoint_layers, o.host_embeddings, o.compile_wrapper) == (True, 0, False, "cpp")
+    o = load_sft_config(bench.recipe_toml(rows[fastest + " + text stream detached"], 8, 3, tmp_path, "0")).onecard
+    assert (o.compile_blocks, o.checkpoint_layers, o.detach_text_stream, o.compile_wrapper) == (True, 0, True, "python")
     twelve = load_sft_config(bench.recipe_toml(rows[next(n for n in rows if n.startswith("12 GB"))], 8, 3, tmp_path))
     assert twelve.onecard.host_embeddings and twelve.onecard.checkpoint_layers == "all"
     assert load_sft_config(bench.recipe_toml(rows[fastest], 8, 3, tmp_path, "auto")).onecard.checkpoint_layers == "auto"

@@ -42,6 +42,7 @@ from cosmos_framework_ext.recipe import config as cfgmod
 from cosmos_framework_ext.recipe.config import SFTConfig
 from cosmos_framework_ext.levers.frozen_bf16 import check_with_ema
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings
+from cosmos_framework_ext.levers.text_stream import check_text_stream
 from cosmos_framework_ext.levers.selective_ac import kept_attention_bytes
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 
@@ -174,6 +175,7 @@ def cosmos_ledger(
     check_with_ema(frozen_lever, ema_on, ema_lever)  # the trainer's own refusal, so DRYRUN does not price it
     c = _counts(preset_name, cfg.optimizer.keys_to_select)  # builds the model on the meta device (seconds)
     check_host_embeddings(cfg.onecard.host_embeddings, c["tables_train"], world_size, mixed)  # the trainer's too
+    check_text_stream(cfg.onecard.detach_text_stream, c["tables_train"])  # the trainer's too
     cap = cap or cfg.dataloader_train.max_sequence_length
     at = _At(c=c, b=b, mb=mb, dt="bf16" if mb == 2 else "fp32", world=world_size, cuda=device_type == "cuda",
              tables_on_host=cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed)

@@ -63,6 +63,7 @@ from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
+from cosmos_framework_ext.levers.text_stream import check_text_stream, detach_text_stream
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
 from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, cosmos_ledger, resolve_checkpoint_layers,
                                                  summary_line)
@@ -490,6 +491,7 @@ class CosmosSFT(skeleton.Recipe):
             names = [n for n, _ in meta.named_parameters()]
             self.trainable = select_trainable(names, cfg.optimizer.keys_to_select)
             check_host_embeddings(cfg.onecard.host_embeddings, self.trainable, self.world, self.mixed)
+            check_text_stream(cfg.onecard.detach_text_stream, self.trainable)
         except ValueError as e:
             raise UserError(f"{cfg.source}: {e}") from None
         path = Path(cfg.checkpoint.load_path) if cfg.checkpoint.load_path else None
@@ -641,6 +643,8 @@ class CosmosSFT(skeleton.Recipe):
                                           determinism_check=ac.determinism_check, layers=self.checkpoint_layers)
         self.host_tables = park_lookup_tables(model, device) if cfg.onecard.host_embeddings else None
         self.proc = attention.install(model)
+        if cfg.onecard.detach_text_stream:  # lever: no backward through the frozen text stream
+            detach_text_stream(model)
         model.train()
         self.compile_note = "eager"
         cpp = cfg.onecard.compile_wrapper == "cpp"
