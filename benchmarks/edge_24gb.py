@@ -50,8 +50,9 @@ before the GPU check and any run (``benchmarks/checks.py``).
 model, not hardware, FLOPs utilisation). ``6 x N_trainable x tokens`` is wrong for this partially frozen,
 two-pathway model: text (understanding) tokens run through the frozen ``und`` weights, vision (generation)
 tokens through the trainable ``moe_gen``/``add_*`` weights, and text tokens never attend to vision tokens, so
-nothing upstream of a text activation requires grad and autograd runs no backward through the ``und``
-weights at all. Per micro-batch, with ``N_p`` the matmul parameters a token of pathway ``p`` passes
+nothing trainable lies upstream of a text activation: the backward pass *needs* no gradient through the ``und``
+weights (the trainer runs none with ``[onecard] detach_text_stream = true``; without it autograd computes that
+unused backward too, and like the recompute it is not counted here). Per micro-batch, with ``N_p`` the matmul parameters a token of pathway ``p`` passes
 (2-D weights, counted from the model built on the meta device: :func:`pathway_params`), ``T_p`` its tokens,
 ``g_p`` = 1 when pathway ``p``'s activations require grad (a trainable weight upstream of them), and
 ``N_p^train`` its trainable part::

@@ -15,21 +15,25 @@ This lever hands the decoder stack the text stream detached (``_run_decoder_stac
 instance). Nothing trainable lies upstream of it, so every parameter's gradient is the same: the gradients that
 reach a trainable parameter never pass through the cut (the text stream's keys reach ``k_norm_und_for_gen`` and the
 vision stream's attention as values, and their gradients are computed there as before). What changes is the work:
-no backward through the text stream, and the checkpoint recomputes only what the vision stream's backward reads
-(the text keys and values), not the text stream's queries, attention output projection and MLP.
+no backward through the text stream (its six input-gradient matmuls per layer), and, in a checkpointed layer
+compiled with the checkpoint inside it (``mode = "selective"`` or fewer checkpointed layers under ``[model.compile]``),
+the partitioner no longer recomputes text-stream values only that backward read. An eager checkpoint (or diffusers'
+whole-layer one) recomputes the layer's forward as before.
 
-Exact under two conditions, which :func:`check_text_stream` checks and the wrapper re-checks at each call:
+Exact under two conditions:
 
-* ``embed_tokens`` is frozen (else its gradient arrives through the text stream);
-* the text prefix ``hidden_states[:und_len]`` holds text tokens only (the packed layout of
-  :func:`cosmos_framework_ext.recipe.attention.build_packed_inputs`: text of every sample, then vision).
+* ``embed_tokens`` is frozen (else its gradient arrives through the text stream): :func:`check_text_stream` refuses
+  the key otherwise, and the wrapper re-checks at each call;
+* the text prefix ``hidden_states[:und_len]`` holds text tokens only: true by construction of the packed layout of
+  :func:`cosmos_framework_ext.recipe.attention.build_packed_inputs` (text of every sample, then vision), the only
+  layout the embedded trainer builds; not checked at run time.
 
 Trainable weights inside the text stream (a ``keys_to_select`` that names ``to_q``, ``mlp`` ...) stay exact: the cut
 is at the stack's entry, so a trainable text-stream weight makes the stream after it require gradients again.
 
 Proof: ``tests/equivalence/test_text_stream.py`` (the loss and every trainable gradient ``torch.equal`` with and
-without, CPU, fp32, packed micro-batches, dense and block-sparse attention, eager and compiled with ``aot_eager``,
-selective and fewer checkpointed layers; the text stream's backward counted to zero; anchored to diffusers' own
+without, CPU, fp32, packed micro-batches, dense and block-sparse attention, eager, compiled with ``aot_eager`` and
+with inductor, every checkpointing mode; the text stream's backward counted to zero; anchored to diffusers' own
 forward).
 """
 

@@ -324,8 +324,8 @@ class OnecardConfig:
     for the edge preset, the same values (cosmos_framework_ext.levers.host_embeddings). One rank with the
     parameters stored in the compute dtype only (no FSDP2), and only while both are frozen."""
     detach_text_stream: bool = False
-    """Hand the decoder layers the frozen text (understanding) stream detached: no backward pass through it and no
-    recompute of what only that backward reads (its queries, output projection and MLP), the same gradients
+    """Hand the decoder layers the frozen text (understanding) stream detached: no backward pass through it (and, in
+    layers compiled with their checkpoint inside, no recompute of what only that backward reads), the same gradients
     (cosmos_framework_ext.levers.text_stream; proof tests/equivalence/test_text_stream.py). Needs ``embed_tokens``
     frozen (refused otherwise); any other ``keys_to_select`` stays exact."""
     keep_checkpoints: int = dataclasses.field(default=2, metadata=meaning(ge=0))
