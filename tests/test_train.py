@@ -142,6 +142,7 @@ def test_main_job_summary_and_checkpoint(env, capsys):
     for key in ("samples_per_optimizer_step", "peak_gpu_allocated_gib", "peak_host_rss_gib", "pinned_bytes", "checkpoint"):
         assert key in s
     assert s["checkpoint_layers"] == 2 and s["host_tables"] is None  # "all" resolved to the tiny preset's layers
+    assert s["text_stream_detached"] is True  # the recipe's detach_text_stream
     assert s["compile"] == "eager (the layers are compiled on a GPU only)"  # the recipe asks; a CPU run says why not
     blob = torch.load(s["checkpoint"], map_location="cpu", weights_only=False)
     net = {k[4:] for k in blob["model"] if k.startswith("net.")}

@@ -63,7 +63,7 @@ from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
-from cosmos_framework_ext.levers.text_stream import check_text_stream, detach_text_stream
+from cosmos_framework_ext.levers.text_stream import check_text_stream, detach_text_stream, is_detached
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
 from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, cosmos_ledger, resolve_checkpoint_layers,
                                                  summary_line)
@@ -842,7 +842,8 @@ class CosmosSFT(skeleton.Recipe):
                else "parked on host (lever)" if self.offload is not None else f"resident on {self.device}")
         print(f"onecard: {self.vae_note}; VAE {vae}; EMA {self.ema_note}; dataset {self.ds_root} "
               f"({len(self.records)} rows); cap {self.cap}, grad_accum_iter {self.ga}")
-        print(f"onecard: attention {self.cfg.onecard.attention} ([onecard].attention); blocks {self.compile_note}")
+        text = "; text stream detached ([onecard] detach_text_stream)" if is_detached(self.model) else ""
+        print(f"onecard: attention {self.cfg.onecard.attention} ([onecard].attention); blocks {self.compile_note}{text}")
 
     def checkpoint_bytes(self) -> int:
         """One checkpoint file: net, fp32 net_ema and the AdamW moments (the ledger's estimate, after preflight)."""
@@ -1054,6 +1055,7 @@ class CosmosSFT(skeleton.Recipe):
             init=self.init_note,
             attention=self.cfg.onecard.attention,
             compile=self.compile_note,
+            text_stream_detached=is_detached(self.model),
             checkpoint_layers=self.checkpoint_layers,
             host_inputs_built=dict(self.inputs_built),
             host_tables=None if self.host_tables is None else {"names": self.host_tables.names,

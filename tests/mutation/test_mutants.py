@@ -31,6 +31,7 @@ README_PLANTED_BUGS = {
     "lockstep: the backward started at the caller's losses",
     "adapter step: a moment streamed through bf16", "adapter step: a parameter not written back",
     "adapter step: a stream group skipped", "adapter step: missing stream wait",
+    "text stream: detached although embed_tokens trains", "text stream: the vision stream detached too",
 }
 SURVIVOR_KINDS = {  # what survived a mutation run before the independent anchors existed
     "EMA update rule", "trainer beta(iteration - 1)", "resume loses the EMA counter",
