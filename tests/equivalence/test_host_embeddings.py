@@ -114,8 +114,9 @@ def test_the_trainer_parks_the_tables_and_refuses_a_trainable_one(env):  # noqa:
     assert r.host_tables.names == ["embed_tokens.weight", "lm_head.weight"]
     text = [i.name for i in r.ledger.items]
     assert "weights (lookup tables on the host, lever)" not in text  # a CPU run: nothing moves off a card
-    bad = recipe(**{'keys_to_select = [': 'keys_to_select = ["embed_tokens", '})
-    with pytest.raises(UserError, match="embed_tokens.weight trains"):
+    bad = recipe(**{'keys_to_select = [': 'keys_to_select = ["embed_tokens", ',
+                    "detach_text_stream = true": "detach_text_stream = false"})  # only this lever's check refuses it
+    with pytest.raises(UserError, match="host_embeddings keeps frozen lookup tables.*embed_tokens.weight trains"):
         bad.preflight()
 
 
