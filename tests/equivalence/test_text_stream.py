@@ -173,6 +173,14 @@ def test_a_trainable_embedding_keeps_its_gradient():
     assert same_training(stock, lever)
 
 
+def test_an_embedding_unfrozen_after_wrapping_keeps_its_gradient():
+    """The wrapper reads ``embed_tokens``' flag at each call, not when it was installed."""
+    stock = _model("none", detach=False, train_embeddings=True)
+    lever = _model("none", detach=True)
+    lever.embed_tokens.weight.requires_grad_(True)
+    assert same_training(stock, lever)
+
+
 # ------------------------------------------------------------------------------------------------ planted bugs
 def test_planted_detach_ignoring_a_trainable_embedding_is_caught():
     stock = _model("none", detach=False, train_embeddings=True)
