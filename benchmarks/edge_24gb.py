@@ -23,7 +23,8 @@ Optional (``--only``): ``all levers + optimizer-state streaming + selective AC``
 ``+ fewer checkpointed layers`` (``[onecard] checkpoint_layers``: ``--checkpoint-layers``, default ``"auto"``);
 the same ``+ host inputs on the main thread`` (each micro-batch's noise, positions and segment indices built on the
 main thread, as before they moved to the loader threads: the A/B of that change); the same ``+ C++ wrapper``
-(``[onecard] compile_wrapper = "cpp"``: the compiled layers' kernels launched by inductor's C++ wrapper);
+(``[onecard] compile_wrapper = "cpp"``: the compiled layers' kernels launched by inductor's C++ wrapper); the same
+``+ text stream detached`` (``[onecard] detach_text_stream = true``: no backward through the frozen text stream);
 ``12 GB card: all levers + optimizer-state streaming + lookup tables on the host`` (``[onecard] host_embeddings``,
 full checkpointing, its own cap of 11.0 GiB); ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 

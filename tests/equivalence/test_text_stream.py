@@ -12,8 +12,10 @@ so that ``und_seq`` enters the layers detached while ``embed_tokens`` is frozen.
   micro-batch: the lever's loss and gradients agree to fp32 rounding.
 - **The work it removes:** without checkpointing, no module of the text stream runs a backward (module backward
   hooks: none with the lever, every one without), while the vision stream's and ``k_norm_und_for_gen``'s still do;
-  with every layer checkpointed the backward pass runs at least the text stream's six input-gradient matmuls per
-  layer fewer (counted at the dispatcher).
+  counted at the dispatcher, the backward pass runs exactly the text stream's six input-gradient matmuls per layer
+  fewer under diffusers' eager checkpoint, and more than that with the checkpoint compiled inside the layer.
+- **Where it must not cut:** trainable text-stream weights, and an ``embed_tokens`` made trainable before or after
+  the wrapper is installed, train as the stock forward does.
 - **GPU** (inductor, flex attention, selective checkpointing of 1 of 2 layers): the same comparison to a stated fp32
   tolerance (the compiled layers are not bitwise repeatable on the GPU even with nothing changed: their run-to-run
   difference, measured by ``test_compile_wrapper.py``'s GPU test, is 4.3e-7 to 4.8e-7 of a gradient's largest value).
