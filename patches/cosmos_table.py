@@ -13,7 +13,8 @@ the torch backend.
 
 from __future__ import annotations
 
-from .core.flags import ATTN_BACKEND, EMA_CPU_SUBSET, FROZEN_BF16, LATENT_CACHE, OPTIM_STATE_OFFLOAD, VAE_CPU_OFFLOAD
+from .core.flags import (ATTN_BACKEND, DETACH_TEXT_STREAM, EMA_CPU_SUBSET, FROZEN_BF16, LATENT_CACHE, OPTIM_STATE_OFFLOAD,
+                         VAE_CPU_OFFLOAD)
 from .guard import Patch, PatchSet
 
 SUPPORTED = "cosmos-framework ed8287f (2026-07-21) and 5eee9ed (2026-08-21)"
@@ -68,6 +69,10 @@ PATCHES = [
           (("params", "optimizer_type", "optimizer_kwargs"),), f"{_IMPL}:patched_optimizer_cls"),
     Patch("frozen.init_optimizer", FROZEN_BF16, f"{_MODEL}.init_optimizer_scheduler",
           (("self", "optimizer_config", "scheduler_config"),), f"{_IMPL}:patched_init_optimizer_scheduler"),
+    # 5eee9ed's shared decoder-stack forward (the three MoT text models' ``forward`` call it by its module name)
+    Patch("text.impl_forward", DETACH_TEXT_STREAM, "cosmos_framework.model.generator.mot.unified_mot:_impl_forward",
+          (("self", "pack", "attention_mask", "position_ids", "natten_metadata_list", "memory"),),
+          f"{_IMPL}:patched_impl_forward"),
     Patch("attention.choose_backend", ATTN_BACKEND, f"{_ATTN}:choose_backend", (_CHOOSE_BACKEND,),
           "cosmos_framework_ext.upstream.attention:patched_choose_backend"),
 ]

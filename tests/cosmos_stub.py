@@ -40,6 +40,8 @@ def write_checkout(root: Path, with_methods: bool = True, frontend: str = FRONTE
         "callbacks/every_n_draw_sample.py": "class EveryNDrawSample:\n"
                                             + ("    def every_n_impl(self, trainer, model, data_batch, output_batch, "
                                                "loss, iteration): ...\n" if with_methods else "    pass\n"),
+        "model/generator/mot/unified_mot.py": "def _impl_forward(self, pack, attention_mask, position_ids, "
+                                              "natten_metadata_list=None, memory=None): ...\n",
         "trainer/__init__.py": "class ImaginaireTrainer:\n"
                                + ("    def train(self, model, dataloader_train, dataloader_val): ...\n"
                                   if with_methods else "    pass\n"),

@@ -187,10 +187,11 @@ def test_cosmos_table_names_real_targets():
     from patches.cosmos_table import PATCHES, SUPPORTED
 
     assert "ed8287f" in SUPPORTED and "5eee9ed" in SUPPORTED
-    from patches.core.flags import FROZEN_BF16, LATENT_CACHE
+    from patches.core.flags import DETACH_TEXT_STREAM, FROZEN_BF16, LATENT_CACHE
 
     assert {p.flag.name for p in PATCHES} == {EMA_CPU_SUBSET.name, VAE_CPU_OFFLOAD.name, ATTN_BACKEND.name,
-                                              OPTIM_STATE_OFFLOAD.name, FROZEN_BF16.name, LATENT_CACHE.name}
+                                              OPTIM_STATE_OFFLOAD.name, FROZEN_BF16.name, LATENT_CACHE.name,
+                                              DETACH_TEXT_STREAM.name}
     assert all(p.target.startswith("cosmos_framework.") for p in PATCHES)
 
 

@@ -20,7 +20,7 @@
 #
 # Environment (read as set; nothing else is changed):
 #   MEMTEST=1 / EMAVAL=1               recipe choice, as the launcher reads it
-#   COSMOS_EMA_CPU_SUBSET, COSMOS_VAE_CPU_OFFLOAD, COSMOS_OPTIM_STATE_OFFLOAD, COSMOS_FROZEN_BF16,
+#   COSMOS_EMA_CPU_SUBSET, COSMOS_VAE_CPU_OFFLOAD, COSMOS_OPTIM_STATE_OFFLOAD, COSMOS_FROZEN_BF16, COSMOS_DETACH_TEXT_STREAM,
 #   COSMOS_LATENT_CACHE (folder ONECARD_LATENT_CACHE; ONECARD_LATENT_CACHE_CHECK=1 compares every hit)   the levers
 #   COSMOS_ATTN_BACKEND                default torch (upstream finds no attention backend on a GPU
 #                                      without flash-attn / new cuDNN); set it empty for upstream's choice
@@ -120,6 +120,7 @@ export PYTHON_EXEC="$exec_dir/python-memcap"
   echo "== upstream: $COSMOS_FRAMEWORK_ROOT (staged from: $(cat "$COSMOS_FRAMEWORK_ROOT/.onecard-staged-from" 2>/dev/null || echo n/a))"
   echo "== flags: COSMOS_EMA_CPU_SUBSET=${COSMOS_EMA_CPU_SUBSET:-} COSMOS_VAE_CPU_OFFLOAD=${COSMOS_VAE_CPU_OFFLOAD:-}" \
        "COSMOS_OPTIM_STATE_OFFLOAD=${COSMOS_OPTIM_STATE_OFFLOAD:-} COSMOS_FROZEN_BF16=${COSMOS_FROZEN_BF16:-}" \
+       "COSMOS_DETACH_TEXT_STREAM=${COSMOS_DETACH_TEXT_STREAM:-}" \
        "COSMOS_LATENT_CACHE=${COSMOS_LATENT_CACHE:-} ONECARD_LATENT_CACHE=${ONECARD_LATENT_CACHE:-default}" \
        "ONECARD_LATENT_CACHE_CHECK=${ONECARD_LATENT_CACHE_CHECK:-}" \
        "COSMOS_ATTN_BACKEND=$COSMOS_ATTN_BACKEND ONECARD_GPU_MEMORY_GIB=${ONECARD_GPU_MEMORY_GIB:-unset}"

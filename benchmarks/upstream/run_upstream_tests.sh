@@ -9,7 +9,8 @@
 # TEST_FILE paths relative to CHECKOUT; default: the list below, those that exist at that commit.
 # Stock is `PYTHON -m pytest` with every onecard flag unset; patched is `PYTHON -m patches.run pytest`
 # with every patch-table flag on (COSMOS_EMA_CPU_SUBSET, COSMOS_VAE_CPU_OFFLOAD,
-# COSMOS_OPTIM_STATE_OFFLOAD, COSMOS_FROZEN_BF16, COSMOS_LATENT_CACHE =1, COSMOS_ATTN_BACKEND=torch; the
+# COSMOS_OPTIM_STATE_OFFLOAD, COSMOS_FROZEN_BF16, COSMOS_LATENT_CACHE, COSMOS_DETACH_TEXT_STREAM =1,
+# COSMOS_ATTN_BACKEND=torch; the
 # latent cache in a fresh folder under OUT_DIR).
 # Writes OUT_DIR/{stock,patched}.{xml,log}, OUT_DIR/compare.json and OUT_DIR/compare.md.
 # Exit 0 iff every test id has the same outcome (passed/failed/error/skipped) in both runs.
@@ -43,7 +44,7 @@ if [[ $# -gt 0 ]]; then files=("$@"); else
   done
 fi
 flags=(COSMOS_EMA_CPU_SUBSET COSMOS_VAE_CPU_OFFLOAD COSMOS_OPTIM_STATE_OFFLOAD COSMOS_ATTN_BACKEND
-       COSMOS_LATENT_CACHE COSMOS_FROZEN_BF16)
+       COSMOS_LATENT_CACHE COSMOS_FROZEN_BF16 COSMOS_DETACH_TEXT_STREAM)
 unset_flags=(); for f in "${flags[@]}"; do unset_flags+=(-u "$f"); done
 read -r -a extra <<< "${PYTEST_ARGS:-}"
 pp="${EXTRA_PYTHONPATH:+$EXTRA_PYTHONPATH:}$root"
@@ -58,7 +59,7 @@ launcher=(); run stock PYTHONPATH="$pp"
 rm -rf "$out/latents"
 launcher=(patches.run); run patched PYTHONPATH="$ONECARD_ROOT:$pp" COSMOS_FRAMEWORK_ROOT="$root" \
   COSMOS_EMA_CPU_SUBSET=1 COSMOS_VAE_CPU_OFFLOAD=1 COSMOS_OPTIM_STATE_OFFLOAD=1 COSMOS_FROZEN_BF16=1 \
-  COSMOS_LATENT_CACHE=1 ONECARD_LATENT_CACHE="$out/latents" COSMOS_ATTN_BACKEND=torch
+  COSMOS_LATENT_CACHE=1 ONECARD_LATENT_CACHE="$out/latents" COSMOS_ATTN_BACKEND=torch COSMOS_DETACH_TEXT_STREAM=1
 
 "$PYTHON" - "$out" "$root" "${files[@]}" <<'EOF'
 import json, re, subprocess, sys, xml.etree.ElementTree as ET

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_text_stream", "detach_text_stream", "is_detached"]
+__all__ = ["check_text_stream", "detach_text_stream", "detached_if_frozen", "is_detached"]
 
 _MARK = "_onecard_text_stream_detached"
 
@@ -68,6 +68,12 @@ def check_text_stream(on: bool, trainable: list[str]) -> None:
                          "from keys_to_select or set detach_text_stream = false")
 
 
+def detached_if_frozen(stream: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+    """``stream.detach()`` (the same values, no autograd history) while ``embed_weight`` (the text-token embedding's
+    weight) is frozen; ``stream`` itself while it trains (the stock path: its gradient comes through the stream)."""
+    return stream if embed_weight.requires_grad else stream.detach()
+
+
 def detach_text_stream(model: torch.nn.Module) -> None:
     """Wrap ``model._run_decoder_stack`` (diffusers' ``Cosmos3OmniTransformer``) so that the text stream enters the
     decoder layers detached while ``model.embed_tokens`` is frozen; idempotent.
@@ -89,9 +95,7 @@ def detach_text_stream(model: torch.nn.Module) -> None:
     @functools.wraps(inner)
     def run(und_seq: torch.Tensor, gen_seq: torch.Tensor, rotary_emb: Any) -> Any:
         # looked up at each call: FSDP2 replaces the Parameter objects when it shards the model
-        if not model.embed_tokens.weight.requires_grad:
-            und_seq = und_seq.detach()
-        return inner(und_seq, gen_seq, rotary_emb)
+        return inner(detached_if_frozen(und_seq, model.embed_tokens.weight), gen_seq, rotary_emb)
 
     model._run_decoder_stack = run
     setattr(model, _MARK, True)

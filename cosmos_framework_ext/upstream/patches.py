@@ -31,6 +31,15 @@ after ``init_optimizer_scheduler`` (before the trainer's checkpoint load and the
 :class:`~cosmos_framework_ext.levers.frozen_bf16.WrappedFrozenBF16` over ``net``: frozen parameters on the GPU
 as their bf16 cast, their fp32 values on the host, ``net.state_dict()`` (DCP's ``net.*`` and the host EMA's
 frozen ``net_ema.*``) unchanged.
+
+The detached text stream (``COSMOS_DETACH_TEXT_STREAM``), the embedded trainer's ``[onecard] detach_text_stream``
+(:mod:`cosmos_framework_ext.levers.text_stream`). Upstream's network scatters the frozen ``embed_tokens`` output into
+a zero buffer, writes the trainable ``vae2llm`` output into the same buffer in place, and gathers the packed
+sequence's text (``causal_seq``) and vision (``full_only_seq``) streams from it, so the text stream enters the decoder
+layers requiring a gradient and the backward pass runs through it for nothing. ``_impl_forward`` (the decoder stack of
+the three MoT text models) is handed a copy of the pack whose ``causal_seq`` is detached, while the text model's
+``embed_tokens`` is frozen (read at each call). Exact: upstream's packer admits no generation token into the causal
+stream (``sequence_pack_from_packed_sequence``), and only ``embed_tokens`` writes the text rows.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from patches.core.flags import LATENT_CACHE, LATENT_CACHE_DIR, latent_cache_dir
 from patches.core.runtime import GiB, as_dtensor, group_moves_host_tensors, to_local
 
 from cosmos_framework_ext.levers.ema import EMA, canonical_name
+from cosmos_framework_ext.levers.text_stream import detached_if_frozen
 from cosmos_framework_ext.levers.vae_offload import VAEOffload
 from cosmos_framework_ext.upstream.latents import UpstreamLatentCache, serving, start_decode_free, with_vae
 
@@ -344,6 +354,28 @@ def with_vae_on_device(original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(self, *args, **kwargs):
         with with_vae(self):
             return original(self, *args, **kwargs)
+
+    wrapper.__name__ = getattr(original, "__name__", "wrapper")
+    return wrapper
+
+
+def patched_impl_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``unified_mot._impl_forward`` handed the pack with its text stream detached while ``embed_tokens`` is frozen.
+
+    ``pack`` is upstream's ``SequencePack`` (a dict): ``causal_seq`` [N_und, hidden] is replaced, in a shallow copy,
+    by the same values detached (:func:`~cosmos_framework_ext.levers.text_stream.detached_if_frozen`); the caller's
+    pack and every other key are left as they are. A stream that needs no gradient (inference, ``no_grad``) passes
+    through unchanged.
+    """
+
+    def wrapper(self, pack, *args, **kwargs):
+        causal = pack.get("causal_seq")
+        if isinstance(causal, torch.Tensor) and causal.requires_grad:
+            # looked up at each call: FSDP2 and lever 6 replace the Parameter objects after the model is built
+            detached = detached_if_frozen(causal, self.embed_tokens.weight)
+            if detached is not causal:
+                pack = {**pack, "causal_seq": detached}
+        return original(self, pack, *args, **kwargs)
 
     wrapper.__name__ = getattr(original, "__name__", "wrapper")
     return wrapper

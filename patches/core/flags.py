@@ -115,8 +115,14 @@ LATENT_CACHE = Flag(
     "($ONECARD_LATENT_CACHE); training reads latents from it and never puts the VAE on the GPU",
 )
 
+DETACH_TEXT_STREAM = Flag(
+    "COSMOS_DETACH_TEXT_STREAM",
+    "the frozen text (causal) stream enters the decoder layers detached while the text model's embed_tokens is "
+    "frozen: no backward pass over it, the same gradients",
+)
+
 ALL_FLAGS: tuple[Flag | ChoiceFlag, ...] = (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, ATTN_BACKEND, LATENT_CACHE,
-                                        OPTIM_STATE_OFFLOAD, FROZEN_BF16)
+                                        OPTIM_STATE_OFFLOAD, FROZEN_BF16, DETACH_TEXT_STREAM)
 
 LATENT_CACHE_DIR = "ONECARD_LATENT_CACHE"
 """Environment variable naming the latent cache folder (lever 4)."""

@@ -232,6 +232,36 @@ def test_a_trainable_embedding_is_refused_by_the_check():
         T.check_text_stream(True, ["proj_in.weight", "embed_tokens.weight"])
 
 
+# ------------------------------------------------------------------------------ upstream's patch, its wrapper
+def test_the_upstream_patch_hands_the_stack_a_detached_text_stream():
+    """``COSMOS_DETACH_TEXT_STREAM``'s wrapper of upstream's ``_impl_forward`` (no upstream needed; its proof against
+    upstream's own model is ``tests/upstream/test_cosmos_text_stream.py``): a copy of the pack with ``causal_seq``
+    detached goes in while ``embed_tokens`` is frozen, every other key and argument as they came, the caller's pack
+    unchanged; an unfrozen embedding or a stream without a gradient passes through as it came."""
+    from types import SimpleNamespace
+
+    from cosmos_framework_ext.upstream.patches import patched_impl_forward
+
+    seen = []
+    wrapped = patched_impl_forward(lambda self, pack, *a, **k: seen.append((pack, a, k)) or "out")
+    text_model = SimpleNamespace(embed_tokens=torch.nn.Embedding(4, 3).requires_grad_(False))
+    x = torch.randn(5, 3, requires_grad=True) * 2
+    pack = {"causal_seq": x[:2], "full_only_seq": x[2:], "_causal_seq_offsets": torch.tensor([0, 2])}
+    assert wrapped(text_model, pack, "mask", position_ids=7) == "out"
+    got, args, kwargs = seen[-1]
+    assert not got["causal_seq"].requires_grad and torch.equal(got["causal_seq"], x[:2])
+    assert got["full_only_seq"] is pack["full_only_seq"] and got["_causal_seq_offsets"] is pack["_causal_seq_offsets"]
+    assert (args, kwargs) == (("mask",), {"position_ids": 7})
+    assert pack["causal_seq"].requires_grad and got is not pack  # the caller's pack as it came
+    text_model.embed_tokens.weight.requires_grad_(True)  # read at each call
+    wrapped(text_model, pack, "mask")
+    assert seen[-1][0] is pack
+    text_model.embed_tokens.weight.requires_grad_(False)
+    no_grad = {"causal_seq": torch.randn(2, 3), "full_only_seq": torch.randn(3, 3)}
+    wrapped(text_model, no_grad, "mask")
+    assert seen[-1][0] is no_grad
+
+
 # ------------------------------------------------------------------------------------------------ GPU
 GPU_RTOL = 1e-5
 """The GPU comparison's tolerance on each gradient (its largest difference over its largest value) and on the loss

@@ -28,7 +28,8 @@ from patches.core.runtime import to_local
 ROOT = os.environ.get("COSMOS_FRAMEWORK_ROOT", "")
 KEYS = ["moe_gen", "time_embedder", "vae2llm", "llm2vae", "k_norm_und_for_gen"]
 ON = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True, "COSMOS_ATTN_BACKEND": "torch",
-      "COSMOS_OPTIM_STATE_OFFLOAD": True, "COSMOS_FROZEN_BF16": True, "COSMOS_LATENT_CACHE": True}
+      "COSMOS_OPTIM_STATE_OFFLOAD": True, "COSMOS_FROZEN_BF16": True, "COSMOS_LATENT_CACHE": True,
+      "COSMOS_DETACH_TEXT_STREAM": True}
 
 
 def _om():
