@@ -582,6 +582,11 @@ def _main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         write_upstream_toml(args[1], args[2])
+        from patches.core.flags import DETACH_TEXT_STREAM
+
+        if load(args[1]).onecard.detach_text_stream and not DETACH_TEXT_STREAM.value(os.environ):
+            print(f"onecard: {args[1]} sets [onecard] detach_text_stream = true, which upstream's trainer does not read: "
+                  f"set {DETACH_TEXT_STREAM.name}=1 to detach the frozen text stream there too", file=sys.stderr)
 
     return cli(run)
 

@@ -38,8 +38,10 @@ a zero buffer, writes the trainable ``vae2llm`` output into the same buffer in p
 sequence's text (``causal_seq``) and vision (``full_only_seq``) streams from it, so the text stream enters the decoder
 layers requiring a gradient and the backward pass runs through it for nothing. ``_impl_forward`` (the decoder stack of
 the three MoT text models) is handed a copy of the pack whose ``causal_seq`` is detached, while the text model's
-``embed_tokens`` is frozen (read at each call). Exact: upstream's packer admits no generation token into the causal
-stream (``sequence_pack_from_packed_sequence``), and only ``embed_tokens`` writes the text rows.
+``embed_tokens`` is frozen (read at each call). Exact: upstream's packer opens a causal split only for text
+(``sequence_packing``'s ``pack_text_tokens``; vision, actions and sound close a sample's full split in
+``finish_sample``), so the causal rows are ``embed_tokens`` output or the buffer's zeros, and nothing trainable writes
+them.
 """
 
 from __future__ import annotations

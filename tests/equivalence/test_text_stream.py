@@ -336,3 +336,20 @@ def test_the_ledger_refuses_a_trainable_embedding():
     assert cosmos_ledger(cfg(["moe_gen"]), "tiny", {}).gpu_allocated > 0
     with pytest.raises(ValueError, match="embed_tokens.weight trains"):
         cosmos_ledger(cfg(["moe_gen", "embed_tokens"]), "tiny", {})
+
+
+def test_the_upstream_toml_copy_names_the_flag_the_recipe_key_needs_there(tmp_path, monkeypatch, capsys):
+    """The launcher drops ``[onecard]`` for upstream's trainer: a recipe that sets ``detach_text_stream`` gets one
+    line naming ``COSMOS_DETACH_TEXT_STREAM``, unless that flag is already on."""
+    from pathlib import Path
+
+    from cosmos_framework_ext.recipe import config
+
+    recipe = Path(__file__).resolve().parents[2] / "toml" / "vision_sft_edge_24gb.toml"
+    monkeypatch.delenv("COSMOS_DETACH_TEXT_STREAM", raising=False)
+    assert config._main(["upstream-toml", str(recipe), str(tmp_path / "a.toml")]) == 0
+    assert "set COSMOS_DETACH_TEXT_STREAM=1" in capsys.readouterr().err
+    assert "detach_text_stream" not in (tmp_path / "a.toml").read_text()
+    monkeypatch.setenv("COSMOS_DETACH_TEXT_STREAM", "1")
+    assert config._main(["upstream-toml", str(recipe), str(tmp_path / "b.toml")]) == 0
+    assert "COSMOS_DETACH_TEXT_STREAM" not in capsys.readouterr().err

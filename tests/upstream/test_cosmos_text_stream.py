@@ -8,12 +8,19 @@ recipe's ``keys_to_select`` (substring match, as upstream's optimizer builder cl
 stand-in. The loss is a regression of the vision outputs plus a term on the text outputs (upstream's text
 cross-entropy reads them), so a gradient that reached a trainable weight through the text stream would show.
 
-- with the patch, the loss and every trainable gradient ``torch.equal`` upstream's stock run (the reference);
-- the stock text stream runs a backward, the patched one none: the backward's matmuls counted, the text outputs
-  no longer require a gradient; the caller's pack is left as it came;
+- with the patch, the loss and every trainable gradient ``torch.equal`` upstream's stock run (the reference), with
+  and without activation checkpointing (each layer in torch's ``checkpoint_wrapper``, as upstream's parallelize
+  pass wraps them) and with the stream padded as for CUDA graphs (``pad_for_cuda_graphs``);
+- the stock text stream runs a backward, the patched one none: the backward runs exactly six matmuls per layer
+  fewer (the text stream's input gradients of q, k, v, o, up and down; 37 against 25 without checkpointing, 59
+  against 47 with it), the text outputs no longer require a gradient; the caller's pack is left as it came;
 - a trainable ``embed_tokens`` (read at each call) keeps its gradient, equal to stock;
-- planted bugs, each caught by the check it is written against: the pack passed through (the work stays), the
-  vision stream detached too (gradients lost), the text stream detached although ``embed_tokens`` trains.
+- planted bugs, in the installed patch's own helper or wrapper, each caught: the stream passed through or detached
+  into a new leaf that requires a gradient (same values; the work check fails), the vision stream detached too and
+  the text stream detached although ``embed_tokens`` trains (the equality check fails).
+
+The causal/full layout is written here (text then vision per sample, as upstream's packer lays out a text-to-video
+sample); upstream's ``build_packed_sequence`` builds the pack from it.
 
 Attention runs on ``COSMOS_ATTN_BACKEND=torch`` in both runs (upstream has no CPU backend).
 """
@@ -26,8 +33,10 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from cosmos_framework_ext.upstream import patches as upstream_patches
 from cosmos_framework_ext.upstream.patches import patched_impl_forward
 from patches.cosmos_table import patch_set
 
@@ -50,8 +59,9 @@ def _unified_mot():
     return unified_mot
 
 
-def build(train_embedding: bool = False) -> tuple[torch.nn.Module, torch.nn.Linear]:
-    """(upstream's Edge text model class, tiny, fp32; a ``vae2llm`` stand-in), trainable subset marked."""
+def build(train_embedding: bool = False, ac: bool = False) -> tuple[torch.nn.Module, torch.nn.Linear]:
+    """(upstream's Edge text model class, tiny, fp32, its layers checkpoint-wrapped with ``ac``; a ``vae2llm``
+    stand-in), trainable subset marked."""
     m = _unified_mot()
     cfg = m.Nemotron3DenseVLMoTConfig(
         dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=LAYERS,
@@ -62,12 +72,15 @@ def build(train_embedding: bool = False) -> tuple[torch.nn.Module, torch.nn.Line
     torch.manual_seed(0)
     lm = m.Nemotron3DenseVLTextForCausalLM(cfg).float()
     vae2llm = torch.nn.Linear(PATCH, HIDDEN)
+    if ac:
+        for i, layer in enumerate(lm.model.layers):
+            lm.model.layers[i] = checkpoint_wrapper(layer)
     for n, p in lm.named_parameters():
         p.requires_grad_(any(k in n for k in KEYS) or (train_embedding and "embed_tokens" in n))
     return lm, vae2llm
 
 
-def step(lm: torch.nn.Module, vae2llm: torch.nn.Linear, count: Counter | None = None):
+def step(lm: torch.nn.Module, vae2llm: torch.nn.Linear, count: Counter | None = None, pad: bool = False):
     """One forward and backward as upstream's network runs it; returns (loss, {name: grad}, pack, text outputs)."""
     from cosmos_framework.data.generator.sequence_packing.runtime import get_gen_seq, get_und_seq
     from cosmos_framework.model.generator.mot.attention import build_packed_sequence
@@ -96,11 +109,11 @@ def step(lm: torch.nn.Module, vae2llm: torch.nn.Linear, count: Counter | None = 
     pack, meta, _ = build_packed_sequence(
         "two_way", packed_sequence=packed, attn_modes=modes, split_lens=splits, sample_lens=lens,
         packed_und_token_indexes=und_idx, packed_gen_token_indexes=gen_idx, num_heads=HEADS, head_dim=HEAD_DIM,
-        num_layers=LAYERS, is_image_batch=False)
+        num_layers=LAYERS, is_image_batch=False, pad_for_cuda_graphs=pad)
     causal_in = pack["causal_seq"]
     position_ids = torch.cat(pos).expand(3, -1)  # mrope: (3, N)
     out, _ = lm(pack, attention_mask=meta, position_ids=position_ids)
-    und_out, gen_out = get_und_seq(out), get_gen_seq(out)
+    und_out, gen_out = get_und_seq(out)[:len(und)], get_gen_seq(out)[:len(gen)]  # padding rows left out
     loss = (gen_out - target).pow(2).mean() + 0.1 * und_out.pow(2).mean()
     with MatmulCounter(count if count is not None else Counter()):
         loss.backward()
@@ -123,21 +136,26 @@ class MatmulCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def run(flags: dict, train_embedding: bool = False, planted=None):
-    """A fresh model through one step with ``flags`` applied (``planted``: a factory installed in the patch's
-    place); returns ``step``'s result and the backward's matmul count."""
+def run(flags: dict, train_embedding: bool = False, ac: bool = False, pad: bool = False, planted=None,
+        helper=None):
+    """A fresh model through one step with ``flags`` applied; ``planted``: a factory installed over the patched
+    target, ``helper``: a replacement of the installed patch's ``detached_if_frozen``. Returns (loss, grads, text
+    outputs, the backward's matmul count)."""
     ps = patch_set()
     ps.apply(flags)
-    saved = None
+    saved, saved_helper = None, upstream_patches.detached_if_frozen
     try:
         if planted is not None:
             m = _unified_mot()
             saved, m._impl_forward = m._impl_forward, planted(m._impl_forward)
+        if helper is not None:
+            upstream_patches.detached_if_frozen = helper
         count: Counter = Counter()
-        lm, vae2llm = build(train_embedding)
-        loss, grads, pack, und_out = step(lm, vae2llm, count)
+        lm, vae2llm = build(train_embedding, ac)
+        loss, grads, pack, und_out = step(lm, vae2llm, count, pad)
         return loss, grads, und_out, sum(count.values())
     finally:
+        upstream_patches.detached_if_frozen = saved_helper
         if saved is not None:
             _unified_mot()._impl_forward = saved
         ps.revert()
@@ -165,13 +183,15 @@ def test_the_patch_is_in_the_table_and_reverts():
     assert getattr(_unified_mot()._impl_forward, "_onecard_patch", None) is None
 
 
-def test_upstream_trains_the_same_with_the_text_stream_detached():
-    stock, patched = run(ATTN), run(ON)
+@pytest.mark.parametrize("ac, pad", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["plain", "checkpointed", "padded", "checkpointed-padded"])
+def test_upstream_trains_the_same_with_the_text_stream_detached(ac, pad):
+    stock, patched = run(ATTN, ac=ac, pad=pad), run(ON, ac=ac, pad=pad)
     assert all(g is not None for g in stock[1].values()) and any("vae2llm" in n for n in stock[1])
     assert same_training(stock, patched)
     assert no_text_backward(stock, patched), (stock[3], patched[3])
-    # the text stream's input-gradient matmuls per layer at least (q, k, v, o, up, down)
-    assert stock[3] - patched[3] >= 6 * LAYERS, (stock[3], patched[3])
+    # exactly the text stream's input-gradient matmuls of every layer (q, k, v, o, up, down) are gone
+    assert stock[3] - patched[3] == 6 * LAYERS, (stock[3], patched[3])
 
 
 def test_a_trainable_embedding_keeps_its_gradient():
@@ -183,8 +203,16 @@ def test_a_trainable_embedding_keeps_its_gradient():
 
 # ---------------------------------------------------------------------------------------------- planted bugs
 
-def _passes_through(original):
-    return lambda self, pack, *a, **k: original(self, pack, *a, **k)
+def _passes_through(stream, embed_weight):
+    return stream
+
+
+def _new_leaf(stream, embed_weight):
+    return stream if embed_weight.requires_grad else stream.detach().requires_grad_()
+
+
+def _ignores_the_embedding(stream, embed_weight):
+    return stream.detach()
 
 
 def _detaches_vision_too(original):
@@ -192,16 +220,17 @@ def _detaches_vision_too(original):
     return lambda self, pack, *a, **k: inner(self, {**pack, "full_only_seq": pack["full_only_seq"].detach()}, *a, **k)
 
 
-def _ignores_the_embedding(original):
-    return lambda self, pack, *a, **k: original(self, {**pack, "causal_seq": pack["causal_seq"].detach()}, *a, **k)
+@pytest.mark.parametrize("helper", [_passes_through, _new_leaf], ids=["passed-through", "new-leaf"])
+def test_planted_bug_fails_the_work_check(helper):
+    stock, planted = run(ATTN), run(ON, helper=helper)
+    assert same_training(stock, planted)  # the same values: only the work check can see it
+    assert not no_text_backward(stock, planted)
 
 
-def test_planted_pass_through_fails_the_work_check():
-    assert not no_text_backward(run(ATTN), run(ATTN, planted=_passes_through))
+def test_planted_embedding_ignored_fails_the_equality_check():
+    stock = run(ATTN, train_embedding=True)
+    assert not same_training(stock, run(ON, train_embedding=True, helper=_ignores_the_embedding))
 
 
-@pytest.mark.parametrize("planted, train_embedding", [(_detaches_vision_too, False), (_ignores_the_embedding, True)],
-                         ids=["vision-detached", "embedding-ignored"])
-def test_planted_bug_fails_the_equality_check(planted, train_embedding):
-    stock = run(ATTN, train_embedding=train_embedding)
-    assert not same_training(stock, run(ATTN, train_embedding=train_embedding, planted=planted))
+def test_planted_vision_detached_fails_the_equality_check():
+    assert not same_training(run(ATTN), run(ATTN, planted=_detaches_vision_too))
