@@ -38,7 +38,8 @@ def _load(name: str, rel: str):
 def scripts():
     return {"edge_24gb": _load("edge_24gb_inputs", "benchmarks/edge_24gb.py"),
             "edge_exact": _load("edge_exact_inputs", "benchmarks/edge_exact.py"),
-            "h3_1gpu": _load("h3_1gpu_inputs", "benchmarks/h3_1gpu.py")}
+            "h3_1gpu": _load("h3_1gpu_inputs", "benchmarks/h3_1gpu.py"),
+            "flex_kernels": _load("flex_kernels_inputs", "benchmarks/flex_kernels.py")}
 
 
 def _refused(mod, args, out: Path, capfd, mentions: str) -> str:
@@ -131,6 +132,39 @@ H3_BAD = [
 @pytest.mark.parametrize("args,flag", H3_BAD)
 def test_h3_refuses(scripts, tmp_path, capfd, args, flag):
     _refused(scripts["h3_1gpu"], args, tmp_path / "out", capfd, flag)
+
+
+FLEX_BAD = [
+    (["--only", "nosuch"], "--only"),  # before the GPU check
+    (["--only", ","], "--only"),
+    (["--iters", "0"], "--iters"),
+    (["--tokens", "100"], "--tokens"),
+    (["--tokens", str(1 << 21)], "--tokens"),
+    (["--tokens", "-5"], "--tokens"),
+]
+
+
+@pytest.mark.parametrize("args,flag", FLEX_BAD)
+def test_flex_kernels_refuses(scripts, tmp_path, capfd, args, flag):
+    _refused(scripts["flex_kernels"], args, tmp_path / "out", capfd, flag)
+
+
+def test_flex_kernels_layout_fills_the_cap_and_default_comes_first(scripts):
+    mod = scripts["flex_kernels"]
+    text, vision = mod.layout(12288)
+    total = sum(text) + sum(vision)
+    assert 12288 - 160 - 80 * 24 < total <= 12288 and len(text) == len(vision) > 1
+    assert all(60 <= t <= 160 for t in text) and all(v % 80 == 0 and 80 <= v <= 1920 for v in vision)
+    assert mod.parse_args(["--only", "tma"]).names == ["default", "tma"]
+    assert mod.parse_args(["--only", "tma,default"]).names == ["default", "tma"]
+
+
+def test_flex_kernels_out_that_is_a_file_and_no_gpu(scripts, tmp_path, capfd):
+    (tmp_path / "file").write_text("keep")
+    _refused(scripts["flex_kernels"], ["--only", "tma"], tmp_path / "file" / "below", capfd, "--out")
+    assert (tmp_path / "file").read_text() == "keep"
+    if not torch.cuda.is_available():
+        _refused(scripts["flex_kernels"], ["--only", "tma"], tmp_path / "out", capfd, "CUDA GPU")
 
 
 @pytest.mark.parametrize("name", ["edge_24gb", "edge_exact", "h3_1gpu"])

@@ -558,6 +558,11 @@ def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
         ConfigError: ``src`` is missing, unreadable or fails the schema.
     """
     load(src)
+    return atomic_write_text(dst, _upstream_text(src))
+
+
+def _upstream_text(src: str | Path) -> str:
+    """The text of the recipe ``src`` without what :func:`write_upstream_toml` leaves out (``src`` not validated)."""
     kept: list[str] = []
     skipping = False
     table = ""
@@ -570,7 +575,7 @@ def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
         onecard_only = bool(not header and key and table == "model.parallelism" and key.group(1) in _NOT_UPSTREAM)
         if not skipping and not onecard_only:
             kept.append(line)
-    return atomic_write_text(dst, "".join(kept))
+    return "".join(kept)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -581,10 +586,11 @@ def _main(argv: list[str] | None = None) -> int:
         return 2
 
     def run() -> None:
-        write_upstream_toml(args[1], args[2])
+        cfg = load(args[1])  # validated once: the copy below and the notice read the same recipe
+        atomic_write_text(args[2], _upstream_text(args[1]))
         from patches.core.flags import DETACH_TEXT_STREAM
 
-        if load(args[1]).onecard.detach_text_stream and not DETACH_TEXT_STREAM.value(os.environ):
+        if cfg.onecard.detach_text_stream and not DETACH_TEXT_STREAM.value(os.environ):
             print(f"onecard: {args[1]} sets [onecard] detach_text_stream = true, which upstream's trainer does not read: "
                   f"set {DETACH_TEXT_STREAM.name}=1 to detach the frozen text stream there too", file=sys.stderr)
 
