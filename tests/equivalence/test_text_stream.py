@@ -353,3 +353,18 @@ def test_the_upstream_toml_copy_names_the_flag_the_recipe_key_needs_there(tmp_pa
     monkeypatch.setenv("COSMOS_DETACH_TEXT_STREAM", "1")
     assert config._main(["upstream-toml", str(recipe), str(tmp_path / "b.toml")]) == 0
     assert "COSMOS_DETACH_TEXT_STREAM" not in capsys.readouterr().err
+
+
+def test_the_upstream_toml_copy_of_a_bad_recipe_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """A recipe that fails the schema is refused before the copy is written (one ``error:`` line, exit 2)."""
+    from pathlib import Path
+
+    from cosmos_framework_ext.recipe import config
+
+    text = (Path(__file__).resolve().parents[2] / "toml" / "vision_sft_edge_24gb.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("grad_accum_iter         = 61", "grad_accum_iter         = 0"))
+    assert config._main(["upstream-toml", str(bad), str(tmp_path / "c.toml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "grad_accum_iter" in err[0], err
+    assert not (tmp_path / "c.toml").exists()
