@@ -11,15 +11,18 @@ calls of one packed micro-batch (a seeded layout of samples with 60-160 text tok
 8 x 10 tokens, filling ``--tokens``; 16 query heads, 8 key/value heads, head_dim 128, bf16, the lever's 128-token
 tiles): the text call (causal, text over text) and the vision call (vision over text and vision).
 
-**Reported per configuration:** the median over ``--iters`` of the forward alone and of forward + backward (ms,
-CUDA events, both calls), and the largest difference of the output and of each input gradient from the
+**Reported per configuration:** the median over ``--iters`` (after one warm-up repetition of each) of the training
+forward alone and of forward + backward (ms, CUDA events around both calls: the kernels, the two key/value
+concatenations of the vision call, and any host time the GPU waits for), and the largest difference of the output and of each input gradient from the
 ``default`` configuration's, relative to the largest magnitude of the default's (0 means bitwise equal: a change
 of tile sizes changes the order of the floating-point sums, so a configuration that differs is a change of kernel
 and needs its own A/B before it becomes a lever). A configuration inductor cannot build (a tile that does not
-fit the card's shared memory) is reported with its error. Writes ``<date>_cosmos_<gpu>_flex-kernels.{json,md}``
-into ``--out``. Bad arguments are one ``error:`` line, exit status 2, before any GPU work.
+fit the card's shared memory) is reported with its error; the ``default`` configuration failing stops the run (every
+difference is taken from it). Writes ``<date>_cosmos_<gpu>_flex-kernels.{json,md}`` into ``--out`` after each
+configuration (both files at once, ``"complete": false`` until the last), so a run stopped by a time limit keeps
+the configurations it finished. Bad arguments are one ``error:`` line, exit status 2, before any GPU work.
 
-Random inputs: the times are the kernels'; the values mean nothing.
+Random inputs: the values mean nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ CONFIGS: dict[str, dict] = {
 """Name -> extra ``kernel_options`` (on top of the lever's own); ``default`` is the lever's path."""
 
 
+MIN_TOKENS = 160 + 80 * 24
+"""Tokens of the layout's largest sample (160 text, 24 frames of 80 vision tokens): the smallest ``--tokens``."""
+
+
 def layout(tokens: int, seed: int = 0) -> tuple[list[int], list[int]]:
     """Per-sample (text tokens, vision tokens) of one packed micro-batch filling at most ``tokens``."""
     import random
@@ -86,7 +93,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--only", default=None, help=f"comma-separated configurations (default all: {', '.join(CONFIGS)})")
     ap.add_argument("--out", default=None, help="folder for the JSON and Markdown results (default: print only)")
     args = ap.parse_args(argv)
-    at_least("--tokens", args.tokens, 256, "the smallest packed micro-batch timed (the recipe's cap is 12288)")
+    at_least("--tokens", args.tokens, MIN_TOKENS, "the largest sample of the layout must fit (the recipe's cap is 12288)")
     if args.tokens > 1 << 20:
         raise UserError(f"--tokens {args.tokens}: more than 1048576 tokens in one micro-batch; use at most that")
     at_least("--iters", args.iters, 1, "timed repetitions")
@@ -96,7 +103,13 @@ def parse_args(argv: list[str] | None):
     return args
 
 
-def run(args) -> list[dict]:
+def run(args) -> tuple[list[dict], dict]:
+    """Every configuration of ``args.names`` on GPU 0, ``default`` first; returns (rows, micro-batch shape) and writes
+    the results after each configuration when ``args.out`` is set.
+
+    Raises:
+        RuntimeError: the ``default`` configuration failed (nothing to compare the others with).
+    """
     import torch
 
     from cosmos_framework_ext.levers import attention_blocksparse as ab
@@ -112,6 +125,7 @@ def run(args) -> list[dict]:
     qu, ku, vu = mk(U, H), mk(U, HKV), mk(U, HKV)
     qg, kg, vg = mk(G, H), mk(G, HKV), mk(G, HKV)
     dout_u, dout_g = mk(U, H), mk(G, H)
+    shape = {"samples": len(text), "text_tokens": U, "vision_tokens": G}
     print(f"micro-batch: {len(text)} samples, {U} text + {G} vision tokens", flush=True)
     rows, ref = [], None
     for name in args.names:
@@ -143,19 +157,17 @@ def run(args) -> list[dict]:
             times = {}
             for key, bw in (("fwd_ms", False), ("fwd_bwd_ms", True)):
                 ms = []
-                for _ in range(args.iters):
+                for i in range(args.iters + 1):  # the first repetition warms up, untimed
                     for leaf in leaves:
                         leaf.grad = None
                     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     s.record()
-                    if bw:
-                        both(True)
-                    else:
-                        with torch.no_grad():
-                            both(False)
+                    outs = both(bw)  # the training forward (with grad: the kernels training runs)
                     e.record()
                     torch.cuda.synchronize()
-                    ms.append(s.elapsed_time(e))
+                    if i:
+                        ms.append(s.elapsed_time(e))
+                    del outs
                 times[key] = sorted(ms)[len(ms) // 2]
             if ref is None:
                 ref = vals
@@ -163,24 +175,31 @@ def run(args) -> list[dict]:
             row = {"config": name, "kernel_options": CONFIGS[name], **times,
                    "max_rel_diff": dict(zip(["out_text", "out_vision", "dq_text", "dk_text", "dv_text", "dq_vision",
                                              "dk_vision", "dv_vision"], diffs)),
-                   "bitwise_default": all(d == 0 for d in diffs), "compile_s": round(time.time() - t0, 1)}
+                   "bitwise_default": all(d == 0 for d in diffs), "wall_s": round(time.time() - t0, 1)}
         except Exception as e:  # a tile inductor cannot build on this card: reported, the others still run
+            if ref is None:
+                raise RuntimeError(f"the default configuration failed, so nothing can be compared with it: {e}") from e
             row = {"config": name, "kernel_options": CONFIGS[name], "error": f"{type(e).__name__}: {str(e)[:300]}"}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return rows, {"samples": len(text), "text_tokens": U, "vision_tokens": G}
+        if args.out is not None:
+            write(args, rows, shape, complete=len(rows) == len(args.names))
+    return rows, shape
 
 
-def write(args, rows: list[dict], shape: dict) -> None:
-    """``<date>_cosmos_<gpu>_flex-kernels.{json,md}`` into ``args.out``, both or neither."""
+def write(args, rows: list[dict], shape: dict, complete: bool = True, gpu: str | None = None) -> None:
+    """``<date>_cosmos_<gpu>_flex-kernels.{json,md}`` into ``args.out``, both or neither (``complete``: every
+    configuration asked for has run; ``gpu``: the card's name, GPU 0's when ``None``)."""
     import torch
 
-    gpu = torch.cuda.get_device_name()
+    gpu = gpu or torch.cuda.get_device_name()
     stem = result_stem("cosmos", "flex-kernels", gpu)
-    doc = {"date": stem[:10], "gpu": gpu, "torch": torch.__version__, "iters": args.iters, **shape, "rows": rows}
+    doc = {"date": stem[:10], "gpu": gpu, "torch": torch.__version__, "iters": args.iters, **shape,
+           "complete": complete, "rows": rows}
     md = [f"# Flex attention kernel settings, {doc['date']}, {gpu}, torch {doc['torch']}", "",
           f"One packed micro-batch: {shape['samples']} samples, {shape['text_tokens']} text + "
-          f"{shape['vision_tokens']} vision tokens; median of {args.iters}; random inputs.", "",
+          f"{shape['vision_tokens']} vision tokens; median of {args.iters}; random inputs"
+          f"{'' if complete else '; incomplete: the run stopped before its last configuration'}.", "",
           "| configuration | forward ms | forward + backward ms | largest relative difference from default |",
           "|---|---|---|---|"]
     for r in rows:
@@ -192,7 +211,8 @@ def write(args, rows: list[dict], shape: dict) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_together({args.out / f"{stem}.json": json.dumps(doc, indent=1) + "\n",
                     args.out / f"{stem}.md": "\n".join(md) + "\n"})
-    print("\n".join(md))
+    if complete:
+        print("\n".join(md))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,9 +226,7 @@ def _main(argv: list[str] | None) -> int:
 
     if not torch.cuda.is_available():
         raise UserError("no CUDA GPU: this benchmark times the GPU kernels; run it on a GPU machine")
-    rows, shape = run(args)
-    if args.out is not None:
-        write(args, rows, shape)
+    run(args)
     return 0
 
 

@@ -139,6 +139,7 @@ FLEX_BAD = [
     (["--only", ","], "--only"),
     (["--iters", "0"], "--iters"),
     (["--tokens", "100"], "--tokens"),
+    (["--tokens", "2079"], "--tokens"),  # the layout's largest sample would not fit: no sample at all
     (["--tokens", str(1 << 21)], "--tokens"),
     (["--tokens", "-5"], "--tokens"),
 ]
@@ -157,6 +158,22 @@ def test_flex_kernels_layout_fills_the_cap_and_default_comes_first(scripts):
     assert all(60 <= t <= 160 for t in text) and all(v % 80 == 0 and 80 <= v <= 1920 for v in vision)
     assert mod.parse_args(["--only", "tma"]).names == ["default", "tma"]
     assert mod.parse_args(["--only", "tma,default"]).names == ["default", "tma"]
+    assert len(mod.layout(mod.MIN_TOKENS)[0]) >= 1 and mod.parse_args(["--tokens", str(mod.MIN_TOKENS)])
+
+
+def test_flex_kernels_writes_both_files_and_marks_an_unfinished_run(scripts, tmp_path):
+    mod = scripts["flex_kernels"]
+    args = mod.parse_args(["--only", "tma", "--out", str(tmp_path)])
+    row = {"config": "default", "kernel_options": {}, "fwd_ms": 0.8, "fwd_bwd_ms": 2.6,
+           "max_rel_diff": {"out_text": 0.0}, "bitwise_default": True, "wall_s": 1.0}
+    shape = {"samples": 2, "text_tokens": 200, "vision_tokens": 1000}
+    mod.write(args, [row], shape, complete=False, gpu="NVIDIA H100 80GB HBM3")
+    (js,) = tmp_path.glob("*_cosmos_h100_flex-kernels.json")
+    assert json.loads(js.read_text())["complete"] is False and "incomplete" in js.with_suffix(".md").read_text()
+    mod.write(args, [row, dict(row, config="tma")], shape, complete=True, gpu="NVIDIA H100 80GB HBM3")
+    doc = json.loads(js.read_text())
+    assert doc["complete"] is True and [r["config"] for r in doc["rows"]] == ["default", "tma"]
+    assert "| tma | 0.80 | 2.60 |" in js.with_suffix(".md").read_text()
 
 
 def test_flex_kernels_out_that_is_a_file_and_no_gpu(scripts, tmp_path, capfd):

@@ -586,7 +586,7 @@ def _main(argv: list[str] | None = None) -> int:
         return 2
 
     def run() -> None:
-        cfg = load(args[1])  # validated once: the copy below and the notice read the same recipe
+        cfg = load(args[1])  # validated once, before anything is written
         atomic_write_text(args[2], _upstream_text(args[1]))
         from patches.core.flags import DETACH_TEXT_STREAM
 
