@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None):
 
     Raises:
         UserError: ``--tokens``/``--iters`` out of range, ``--only`` naming an unknown or no configuration,
-            ``--out`` not a writable folder.
+            ``--out`` empty or not a writable folder.
     """
     ap = ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--tokens", type=int, default=12288, help="packed micro-batch size in tokens (default 12288)")
@@ -97,8 +97,12 @@ def parse_args(argv: list[str] | None):
     if args.tokens > 1 << 20:
         raise UserError(f"--tokens {args.tokens}: more than 1048576 tokens in one micro-batch; use at most that")
     at_least("--iters", args.iters, 1, "timed repetitions")
+    if args.iters > 1000:
+        raise UserError(f"--iters {args.iters}: more than 1000 timed repetitions per configuration; use 1 to 1000")
     names = pick("--only", args.only, CONFIGS) if args.only is not None else list(CONFIGS)
     args.names = ["default", *[n for n in names if n != "default"]]  # the reference of every difference, first
+    if args.out is not None and not args.out.strip():
+        raise UserError("--out is empty: give the folder the results go to, or leave --out out to print them only")
     args.out = writable_dir("--out", args.out) if args.out is not None else None
     return args
 

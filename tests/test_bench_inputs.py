@@ -138,6 +138,7 @@ FLEX_BAD = [
     (["--only", "nosuch"], "--only"),  # before the GPU check
     (["--only", ","], "--only"),
     (["--iters", "0"], "--iters"),
+    (["--iters", "1001"], "--iters"),
     (["--tokens", "100"], "--tokens"),
     (["--tokens", "2079"], "--tokens"),  # the layout's largest sample would not fit: no sample at all
     (["--tokens", str(1 << 21)], "--tokens"),
@@ -176,7 +177,11 @@ def test_flex_kernels_writes_both_files_and_marks_an_unfinished_run(scripts, tmp
     assert "| tma | 0.80 | 2.60 |" in js.with_suffix(".md").read_text()
 
 
-def test_flex_kernels_out_that_is_a_file_and_no_gpu(scripts, tmp_path, capfd):
+def test_flex_kernels_out_that_is_a_file_or_empty_and_no_gpu(scripts, tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = scripts["flex_kernels"].main(["--only", "tma", "--out", ""])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("error: --out is empty"), err
     (tmp_path / "file").write_text("keep")
     _refused(scripts["flex_kernels"], ["--only", "tma"], tmp_path / "file" / "below", capfd, "--out")
     assert (tmp_path / "file").read_text() == "keep"
