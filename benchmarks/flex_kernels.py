@@ -27,6 +27,7 @@ Random inputs: the values mean nothing.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -61,8 +62,12 @@ CONFIGS: dict[str, dict] = {
 """Name -> extra ``kernel_options`` (on top of the lever's own); ``default`` is the lever's path."""
 
 
-MIN_TOKENS = 160 + 80 * 24
-"""Tokens of the layout's largest sample (160 text, 24 frames of 80 vision tokens): the smallest ``--tokens``."""
+TEXT_TOKENS = (60, 160)
+"""The layout's text tokens per sample, fewest and most."""
+FRAME_TOKENS, MAX_FRAMES = 80, 24
+"""The layout's vision tokens per latent frame (8 x 10 patches) and the most frames of a sample."""
+MIN_TOKENS = TEXT_TOKENS[1] + FRAME_TOKENS * MAX_FRAMES
+"""Tokens of the layout's largest sample: the smallest ``--tokens``."""
 
 
 def layout(tokens: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -72,7 +77,7 @@ def layout(tokens: int, seed: int = 0) -> tuple[list[int], list[int]]:
     rng = random.Random(seed)
     text, vision = [], []
     while True:
-        t, v = rng.randint(60, 160), 80 * rng.randint(1, 24)
+        t, v = rng.randint(*TEXT_TOKENS), FRAME_TOKENS * rng.randint(1, MAX_FRAMES)
         if sum(text) + sum(vision) + t + v > tokens:
             break
         text.append(t)
@@ -137,11 +142,7 @@ def run(args) -> tuple[list[dict], dict]:
         torch._dynamo.reset()
         opts = dict(ab.KERNEL_OPTIONS, **CONFIGS[name])
 
-        def flex(q, k, v, m, opts=opts):
-            return ab.flex_attention(q, k, v, block_mask=ab._at_lengths(m, q.shape[-2], k.shape[-2]),
-                                     enable_gqa=True, kernel_options=opts)
-
-        fn = torch.compile(flex, dynamic=False)
+        fn = torch.compile(functools.partial(ab._flex, kernel_options=opts), dynamic=False)  # the lever's call
         leaves = [t.detach().clone().requires_grad_(True) for t in (qu, ku, vu, qg, kg, vg)]
 
         def both(backward: bool):

@@ -179,10 +179,12 @@ def _at_lengths(m: BlockMask, q_len: int, kv_len: int) -> BlockMask:
                      mask_mod=m.mask_mod)
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
-    """``flex_attention`` of q [1, H, Lq, D] over k/v [1, Hkv, Lkv, D] (the function that is compiled)."""
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask,
+          kernel_options: dict | None = None) -> torch.Tensor:
+    """``flex_attention`` of q [1, H, Lq, D] over k/v [1, Hkv, Lkv, D] (the function that is compiled);
+    ``kernel_options``: inductor's, :data:`KERNEL_OPTIONS` when ``None`` (``benchmarks/flex_kernels.py`` times others)."""
     return flex_attention(q, k, v, block_mask=_at_lengths(block_mask, q.shape[-2], k.shape[-2]), enable_gqa=True,
-                          kernel_options=KERNEL_OPTIONS)
+                          kernel_options=KERNEL_OPTIONS if kernel_options is None else kernel_options)
 
 
 KERNEL_OPTIONS = {"FORCE_USE_FLEX_ATTENTION": True}

@@ -547,18 +547,20 @@ def check_honoured(cfg: SFTConfig, world: int = 1) -> None:
                             "or NUL, at most 255 bytes): the run folder is OUTPUT_ROOT/project/group/name")
 
 
-def write_upstream_toml(src: str | Path, dst: str | Path) -> Path:
+def write_upstream_toml(src: str | Path, dst: str | Path) -> SFTConfig:
     """Write ``src`` without its ``[onecard]`` table and the ``[model.parallelism]`` dtype keys upstream's schema
-    lacks (:data:`_NOT_UPSTREAM`; its schema forbids unknown keys) to ``dst``.
+    lacks (:data:`_NOT_UPSTREAM`; its schema forbids unknown keys) to ``dst``; returns the recipe as validated.
 
-    The recipe is validated first. The text is copied line by line, so comments and ``${oc.env:...}``
-    stay as written for upstream's resolver; ``dst`` is written atomically (temporary name + rename).
+    The recipe is validated first (nothing is written when it fails). The text is copied line by line, so comments
+    and ``${oc.env:...}`` stay as written for upstream's resolver; ``dst`` is written atomically (temporary name +
+    rename).
 
     Raises:
         ConfigError: ``src`` is missing, unreadable or fails the schema.
     """
-    load(src)
-    return atomic_write_text(dst, _upstream_text(src))
+    cfg = load(src)
+    atomic_write_text(dst, _upstream_text(src))
+    return cfg
 
 
 def _upstream_text(src: str | Path) -> str:
@@ -586,8 +588,7 @@ def _main(argv: list[str] | None = None) -> int:
         return 2
 
     def run() -> None:
-        cfg = load(args[1])  # validated once, before anything is written
-        atomic_write_text(args[2], _upstream_text(args[1]))
+        cfg = write_upstream_toml(args[1], args[2])
         from patches.core.flags import DETACH_TEXT_STREAM
 
         if cfg.onecard.detach_text_stream and not DETACH_TEXT_STREAM.value(os.environ):
