@@ -133,17 +133,36 @@ def _minus(window: tuple[float, float], holes: list[tuple[float, float]]) -> lis
     return out
 
 
+def _training_threads(ev: list[dict]) -> set[Any]:
+    """The threads that run the training step: those holding ``onecard.`` marks (the main thread; the autograd thread's
+    recompute marks) and those that run autograd nodes (the backward's device thread). Every other thread (the loader
+    threads that read and lay out the next micro-batches, the EMA's host lerp) runs beside the step, not in it."""
+    out = {e.get("tid") for e in ev if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(PREFIX)}
+    out |= {e.get("tid") for e in ev if e.get("cat") in HOST_CATS
+            and str(e.get("name", "")).startswith("autograd::engine::evaluate_function")}
+    return out
+
+
 def _host_side(ev: list[dict], micro: list[tuple[float, float]], phase_of, names: tuple[str, ...], n: int,
                top: int) -> dict[str, Any]:
     """Per phase of ``names`` (``phase_of(ts)`` says which), per micro-batch of the ``n`` in ``micro``: the launch
     calls (:data:`LAUNCH_RX`), the device waits (:data:`SYNC_RX`: count and s) and the ``top`` host ops by inclusive
-    time (name, count, s) of the host events ``ev`` that start inside a micro-batch (the ``onecard.`` marks left out)."""
-    host = {p: {"launches": 0, "syncs": [0, 0.0], "ops": defaultdict(lambda: [0, 0.0])} for p in names}
+    time (name, count, s) of the host events ``ev`` that start inside a micro-batch (the ``onecard.`` marks left out)
+    on the training threads (:func:`_training_threads`); ``other_threads``: the ``top`` host ops that other threads
+    ran meanwhile (the loader threads, the EMA), which the phase's own time does not include."""
+    train = _training_threads(ev)
+    host = {p: {"launches": 0, "syncs": [0, 0.0], "ops": defaultdict(lambda: [0, 0.0]),
+                "other": defaultdict(lambda: [0, 0.0])} for p in names}
     for e in ev:
         cat, name = e.get("cat"), str(e.get("name", ""))
         if (cat not in LAUNCH_CATS and cat not in HOST_CATS) or name.startswith(PREFIX) or _where(e["ts"], micro) is None:
             continue
         h = host[phase_of(e["ts"])]
+        if e.get("tid") not in train:
+            if cat in HOST_CATS:
+                h["other"][name][0] += 1
+                h["other"][name][1] += e["dur"] / 1e6
+            continue
         if cat in LAUNCH_CATS and LAUNCH_RX.search(name):
             h["launches"] += 1
         if SYNC_RX.search(name):
@@ -152,9 +171,12 @@ def _host_side(ev: list[dict], micro: list[tuple[float, float]], phase_of, names
         if cat in HOST_CATS:
             h["ops"][name][0] += 1
             h["ops"][name][1] += e["dur"] / 1e6
+    def ranked(ops: dict) -> list[dict[str, Any]]:
+        return [{"name": k[:120], "count": c // n or c, "s": t / n}
+                for k, (c, t) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]]
+
     return {p: {"launches": h["launches"] // n, "syncs": {"count": h["syncs"][0] // n, "s": h["syncs"][1] / n},
-                "ops": [{"name": k[:120], "count": c // n or c, "s": t / n}
-                        for k, (c, t) in sorted(h["ops"].items(), key=lambda kv: -kv[1][1])[:top]]}
+                "ops": ranked(h["ops"]), "other_threads": ranked(h["other"])}
             for p, h in host.items()}
 
 
@@ -171,8 +193,9 @@ def breakdown(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
         "idle_s", "kernels_s": {category: s}}}, "categories_s": {category: s}, "recompute_s", "layers":
         {"forward_s": [...], "recompute_s": [...]}, "top_kernels": [{"name", "category", "count", "s"}]}``, every
         time in seconds per micro-batch, plus ``"host": {phase: {"launches", "syncs": {"count", "s"}, "ops":
-        [{"name", "count", "s"}]}}`` (launch calls, device waits (:data:`SYNC_RX`; each phase window's own two
-        synchronizes included) and the ``top`` host ops by inclusive time, per micro-batch) and
+        [{"name", "count", "s"}], "other_threads": [...]}}`` (launch calls, device waits (:data:`SYNC_RX`; each phase
+        window's own two synchronizes included) and the ``top`` host ops by inclusive time, per micro-batch, of the
+        training threads; ``other_threads``: those the loader threads and the EMA ran meanwhile) and
         ``layers["forward_wall_s"]`` (each layer mark's wall time in the forward); phase ``"host and data"`` is the micro-batch's time outside the three
         phases (fetching the batch, noise, packing, the loss's host read); ``"gpu_idle_while": {"host and data",
         phase..., "between micro-batches": s}``: no GPU event running while the main thread was there (from the
@@ -441,10 +464,12 @@ def markdown_table(b: dict[str, Any], unprofiled_s: float | None = None) -> str:
         lines += ["", "GPU idle (no kernel, copy or memset running) while the host's main thread was in: "
                   + ", ".join(f"{p} {ms(s)} ms" for p, s in b["gpu_idle_while"].items()) + "."]
     if b.get("host"):
-        lines += ["", "| phase | launches | device waits | wait ms | top host ops (inclusive ms) |", "|---|---|---|---|---|"]
+        lines += ["", "| phase | launches | device waits | wait ms | top host ops, training threads (inclusive ms) "
+                  "| meanwhile on other threads (inclusive ms) |", "|---|---|---|---|---|---|"]
         for p, h in b["host"].items():
-            ops = "; ".join(f"`{o['name'][:48]}` ×{o['count']} {ms(o['s'])}" for o in h["ops"][:6])
-            lines.append(f"| {p} | {h['launches']} | {h['syncs']['count']} | {ms(h['syncs']['s'])} | {ops} |")
+            ops, other = ("; ".join(f"`{o['name'][:48]}` ×{o['count']} {ms(o['s'])}" for o in rows[:6])
+                          for rows in (h["ops"], h.get("other_threads", [])))
+            lines.append(f"| {p} | {h['launches']} | {h['syncs']['count']} | {ms(h['syncs']['s'])} | {ops} | {other} |")
     lines += ["", "| kernel | category | launches / micro-batch | ms / micro-batch |", "|---|---|---|---|"]
     for k in b["top_kernels"]:
         lines.append(f"| `{k['name'][:70]}` | {k['category']} | {k['count']} | {ms(k['s'])} |")

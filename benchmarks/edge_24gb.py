@@ -4,7 +4,8 @@
     python benchmarks/edge_24gb.py --smoke --out /tmp/bench      # CPU, tiny preset: tests the benchmark itself
 
 The ``edge`` preset at cap 12288 (``benchmarks/edge_24gb.toml``: EMA on; ``grad_accum_iter`` set by
-``--grad-accum``, default 8; step 1 is warm-up) runs under these configurations, one after another in this
+``--grad-accum``, default 8; the first ``--warmup`` steps, default 1, are warm-up and not measured) runs under
+these configurations, one after another in this
 process (``--only`` picks some, ``--list`` names them all):
 
 1. ``stock (uncapped card)``: EMA as a full fp32 clone on the GPU, VAE resident and encoding online, dense-mask
@@ -24,7 +25,9 @@ Optional (``--only``): ``all levers + optimizer-state streaming + selective AC``
 the same ``+ host inputs on the main thread`` (each micro-batch's noise, positions and segment indices built on the
 main thread, as before they moved to the loader threads: the A/B of that change); the same ``+ C++ wrapper``
 (``[onecard] compile_wrapper = "cpp"``: the compiled layers' kernels launched by inductor's C++ wrapper); the same
-``+ text stream detached`` (``[onecard] detach_text_stream = true``: no backward through the frozen text stream);
+``+ text stream detached`` (``[onecard] detach_text_stream = true``: no backward through the frozen text stream),
+and that row ``+ lookup tables on the host`` (``[onecard] host_embeddings``: the GiB the tables free goes to fewer
+checkpointed layers);
 ``12 GB card: all levers + optimizer-state streaming + lookup tables on the host`` (``[onecard] host_embeddings``,
 full checkpointing, its own cap of 11.0 GiB); ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
@@ -32,15 +35,18 @@ Configurations 4 and 5 need the trainer's packed-attention setting (``[onecard] 
 ``[model.attention] impl``: ``ATTENTION_PLACES``); a trainer whose schema has neither reports them as
 ``skipped``.
 
-**Reported per configuration:** median s per micro-batch and per optimizer step (steps after the first), each
-measured micro-batch's seconds in order (JSON ``micro_batch_s``: the outliers a median hides) beside its tokens
+**Reported per configuration:** median s per micro-batch and per optimizer step (the upper median, an element of
+the list, over the steps after the warm-up), each measured micro-batch's seconds in order (JSON ``micro_batch_s``: the outliers a median hides) beside its tokens
 (``tokens_per_micro_batch``, the same order: a slow micro-batch is told from a long one), s per sample
 (measured micro-batch time / samples), peak allocated and reserved GiB, the ledger's prediction,
 model FLOPs utilisation, the latent cache's pre-pass (s, hits, misses, bytes; **not** part of any step time),
 the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS (the run's peak, and the peak
-through its final checkpoint save with what the save adds: :func:`save_host`) and pinned bytes, and the
+through its final checkpoint save with what the save adds: :func:`save_host`) and pinned bytes, the Python garbage
+collector's pauses in the measured steps (JSON ``gc``: they stop the thread that launches the GPU's work), and the
 change of s/sample against configuration 1. A configuration that runs out of memory is reported as such
-with the peak it reached. Writes ``<date>_cosmos_<gpu>_edge24gb.json`` and ``.md`` (the results' naming scheme,
+with the peak it reached. ``--profile`` runs named rows once more under the profiler (:mod:`benchmarks.breakdown`);
+``--queue-depth`` runs them once more with marks through the last step, unprofiled: how far the GPU runs behind
+the host at each phase and decoder layer (:mod:`benchmarks.queue_depth`). Writes ``<date>_cosmos_<gpu>_edge24gb.json`` and ``.md`` (the results' naming scheme,
 ``benchmarks/checks.py:result_stem``; and the ``--timelines`` as ``<stem>-<config>-memory.{csv,png}``) into ``--out``
 once every row has run, atomically (both or neither); ``--smoke`` names its files ``..._cpu_edge24gb-smoke*``, so a
 smoke never replaces GPU results. Bad arguments (an unknown or empty ``--only``,
@@ -96,6 +102,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from benchmarks import breakdown as bd  # noqa: E402
+from benchmarks import queue_depth as qd  # noqa: E402
 from benchmarks.checks import (at_least, at_most_card, free_targets, pick, positive, result_stem,  # noqa: E402
                                writable_dir, write_together)
 from cosmos_framework_ext.levers import packing  # noqa: E402
@@ -103,7 +110,7 @@ from cosmos_framework_ext.recipe import train
 from patches.core import trainer as skeleton  # noqa: E402
 from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
 from patches.core.io import atomic_write  # noqa: E402
-from patches.core.runtime import GiB  # noqa: E402
+from patches.core.runtime import GiB, median  # noqa: E402
 
 EMA, VAE, CACHE, OPT = "COSMOS_EMA_CPU_SUBSET", "COSMOS_VAE_CPU_OFFLOAD", "COSMOS_LATENT_CACHE", "COSMOS_OPTIM_STATE_OFFLOAD"
 ATTENTION_PLACES = (("onecard", "attention"), ("model.attention", "impl"))
@@ -147,6 +154,8 @@ class Config:
     threads: the A/B of that change)."""
 
 
+PROBED = " (queue depth)"
+"""Suffix of the ``--queue-depth`` row's name (its last step carries :mod:`benchmarks.queue_depth`'s marks)."""
 PROFILED = " (profiled)"
 """Suffix of the ``--profile`` row's name (the profiler and its synchronizes slow that row: its times are not
 the configuration's)."""
@@ -179,6 +188,9 @@ OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True, selective=True,
            checkpoint_layers="auto", detach_text_stream=True),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached "
+           "+ lookup tables on the host", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX,
+           compile=True, selective=True, checkpoint_layers="auto", detach_text_stream=True, host_embeddings=True),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
@@ -324,7 +336,8 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
 
 def checkpoint_layers_arg(value: str, preset: str, only: list[str]) -> str:
     """``--checkpoint-layers`` checked before any row runs: ``"all"``, ``"auto"`` or 0 to the preset's decoder layers
-    in ASCII digits (returned without leading zeros), and only with a row that reads it in ``--only``.
+    in ASCII digits (returned without leading zeros), and only with a row that reads it in ``--only``, ``--profile``
+    or ``--queue-depth`` (``only``: the names of every row the run runs).
 
     Raises:
         UserError: anything else (one line naming the fix).
@@ -339,12 +352,30 @@ def checkpoint_layers_arg(value: str, preset: str, only: list[str]) -> str:
     if not any(name in readers for name in only):
         rows = f"row {readers[0]!r}" if len(readers) == 1 else f"rows that leave layers out ({len(readers)}: the ones named " \
             "'... fewer checkpointed layers ...', --list shows them)"
-        raise UserError(f"--checkpoint-layers applies only to the {rows}: add one to --only, or drop --checkpoint-layers")
+        raise UserError(f"--checkpoint-layers applies only to the {rows}: add one to --only (or --profile, "
+                        "--queue-depth), or drop --checkpoint-layers")
     return value if value in ("all", "auto") else str(int(value))
+
+
+def out_folder(text: str) -> Path:
+    """``--out``'s argparse type: a folder name that is not empty or blank (``Path("")`` would be the current folder)."""
+    if not text.strip():
+        from argparse import ArgumentTypeError
+
+        raise ArgumentTypeError(f"{text!r} is empty: give the folder the results go to (default benchmarks/results)")
+    return Path(text)
 
 
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def measured_part(micro_batches: int, steps: int, warmup: int, grad_accum: int) -> tuple[slice, slice]:
+    """Which of a row's micro-batch times and optimizer-step times are measured: those after its first ``warmup``
+    steps (``grad_accum`` micro-batches each); every one of a kind when the run had none after the warm-up."""
+    warm = warmup * grad_accum
+    return (slice(warm, None) if micro_batches > warm else slice(None),
+            slice(warmup, None) if steps > warmup else slice(None))
 
 
 def replay_samples(recipe: train.CosmosSFT) -> list[list[tuple[int, int]]]:
@@ -374,9 +405,11 @@ def allocator_delta(before: dict[str, int]) -> dict[str, int]:
 
 
 def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | None, peak: float | None,
-            profile: bool = False) -> dict:
+            profile: bool = False, probe: bool = False, run: int = 1) -> dict:
     """Run one configuration and return its row; ``profile``: the row named ``<config> (profiled)``, with
-    micro-batches 1-3 of its last step profiled (:mod:`benchmarks.breakdown`, row key ``breakdown``)."""
+    micro-batches 1-3 of its last step profiled (:mod:`benchmarks.breakdown`, row key ``breakdown``); ``probe``: the
+    row named ``<config> (queue depth)``, its last step marked (:mod:`benchmarks.queue_depth`, row key
+    ``queue_depth``); ``run`` > 1: the configuration's ``run``-th run in this process (``<config> (run <k>)``)."""
     cuda = torch.cuda.is_available()
     os.environ.update(cfg.flags, OUTPUT_ROOT=str(tmp / "out" / slug(cfg.name)))
     cap_gib = cfg.cap_gib or args.budget_gib
@@ -386,7 +419,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         os.environ.pop("ONECARD_GPU_MEMORY_GIB", None)
         if cuda:
             torch.cuda.set_per_process_memory_fraction(1.0)
-    row: dict = {"config": cfg.name + (PROFILED if profile else ""), "capped_gib": cap_gib if cfg.capped and cuda else None,
+    suffix = PROFILED if profile else PROBED if probe else f" (run {run})" if run > 1 else ""
+    row: dict = {"config": cfg.name + suffix, "capped_gib": cap_gib if cfg.capped and cuda else None,
                  "attention": cfg.attention or "default (dense masks)", "compile": cfg.compile}
     if cfg.attention and attention_place() is None:
         row.update(status="skipped: the trainer's schema has no packed-attention setting")
@@ -403,6 +437,17 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         ga = args.grad_accum
         prof = bd.ProfiledMicroBatches(recipe, args.steps - 1, range(min(1, ga - 1), min(4, ga)),
                                        tmp / "traces" / f"{slug(cfg.name)}.json", sync=not args.profile_without_sync)
+    marks = qd.QueueDepth(recipe, args.steps - 1) if probe else None
+    pauses = qd.GcPauses(recipe, first=args.warmup)  # the measured steps (after the warm-up)
+    step_s: list[float] = []
+    step = recipe.train_step
+
+    def timed_step(it: int):
+        result = step(it)
+        step_s.append(result.seconds)
+        return result
+
+    recipe.train_step = timed_step
     t0 = time.perf_counter()
     before = allocator_counts() if cuda else {}
     try:
@@ -414,7 +459,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         row["wall_s"] = time.perf_counter() - t0
         return row
     ga = recipe.ga
-    measured = slice(ga, None) if len(recipe.micro_times) > ga else slice(None)
+    measured, measured_steps = measured_part(len(recipe.micro_times), len(step_s), args.warmup, ga)
     times = recipe.micro_times[measured]
     batches = replay_samples(recipe)[measured]
     n_samples = sum(len(b) for b in batches)
@@ -424,7 +469,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         status="ok", steps=s["steps"], grad_accum_iter=ga, preset=s["preset"], cap=s["cap"],
         peak_gpu_gib=s["peak_gpu_allocated_gib"], peak_gpu_reserved_gib=s["peak_gpu_reserved_gib"],
         predicted_gpu_gib=s["ledger"]["predicted_gpu_allocated_gib"],
-        s_per_micro_batch=s["s_per_micro_batch_median"], s_per_step=s["s_per_step_median"],
+        # the trainer's own median (the upper one: an element of the list), over the measured steps only
+        s_per_micro_batch=median(times), s_per_step=median(step_s[measured_steps]), warmup_steps=args.warmup,
         s_per_sample=sum(times) / n_samples if n_samples else None,
         micro_batch_s=[round(t, 4) for t in times], measured_samples=n_samples,
         tokens_per_micro_batch=[sum(u + v for u, v in b) for b in batches],
@@ -453,6 +499,9 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         row["ledger_error_pct"] = 100.0 * (row["predicted_gpu_gib"] - row["peak_gpu_gib"]) / row["peak_gpu_gib"]
     if prof is not None:
         row["breakdown"] = prof.result
+    if marks is not None:
+        row["queue_depth"] = marks.result
+    row["gc"] = pauses.result
     row["wall_s"] = time.perf_counter() - t0
     del recipe
     return row
@@ -505,6 +554,9 @@ def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: s
             plain = next((x for x in rows if x["config"] + PROFILED == r["config"]), None)
             body += (f"\n### Where the time goes: {r['config']}\n\n"
                      + bd.markdown_table(r["breakdown"], plain.get("s_per_micro_batch") if plain else None))
+    for r in rows:
+        if r.get("queue_depth"):
+            body += f"\n### How far the GPU runs behind the host: {r['config']}\n\n" + qd.markdown_table(r["queue_depth"])
     return head + body
 
 
@@ -516,9 +568,12 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-gib", type=float, default=22.06, help="card cap of the capped rows (GiB)")
-    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (>= 2: 1 warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (more than --warmup)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="optimizer steps at the start of each configuration that are not measured (default 1; "
+                    "the first run in a process reaches its steady speed after about 3)")
     ap.add_argument("--grad-accum", type=int, default=8, help="grad_accum_iter (>= 8 on the GPU; default 8)")
-    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--out", type=out_folder, default=HERE / "results")
     ap.add_argument("--only", default=None, help="comma-separated config names to run (default: the six main ones; --list names all)")
     ap.add_argument("--list", action="store_true", help="list the configuration names and exit")
     ap.add_argument("--timelines", default=None,
@@ -532,6 +587,14 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--profile-without-sync", action="store_true",
                     help="the --profile rows mark their phases without device synchronizes: the GPU runs behind the "
                     "host as unprofiled, and the breakdown's \"GPU idle while\" line is the critical path as training has it")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run each --only configuration this many times, one after another in this process (1-5; "
+                    "rows after the first named \"<config> (run <k>)\"): whether a row's place in the process "
+                    "changes its times")
+    ap.add_argument("--queue-depth", default=None,
+                    help="comma-separated config names to run once more each, with marks through the last step: how "
+                    "far the GPU runs behind the host at each phase and layer, unprofiled (benchmarks/queue_depth.py; "
+                    "own rows, \"<config> (queue depth)\")")
     ap.add_argument("--checkpoint-layers", default=None,
                     help="[onecard] checkpoint_layers of the \"fewer checkpointed layers\" row (a number of decoder "
                     "layers, \"all\" or \"auto\"; default auto); every other row checkpoints every layer")
@@ -548,16 +611,25 @@ def _main(argv: list[str] | None) -> int:
     timelines = pick("--timelines", args.timelines if args.timelines is not None else "all levers", names,
                      allow_none=True)
     profiles = pick("--profile", args.profile, names) if args.profile is not None else []
+    probes = pick("--queue-depth", args.queue_depth, names) if args.queue_depth is not None else []
     if args.profile_without_sync and not profiles:
         raise UserError("--profile-without-sync changes how the --profile rows are profiled, and none is named: add "
                         "--profile CONFIG, or drop --profile-without-sync")
-    at_least("--steps", args.steps, 2, "1 warm-up + measured")
+    at_least("--warmup", args.warmup, 1, "warm-up optimizer steps (the first compiles)")
+    for flag, value, high in (("--warmup", args.warmup, 100), ("--steps", args.steps, 1000),
+                              ("--grad-accum", args.grad_accum, 4096)):
+        if value > high:
+            raise UserError(f"{flag} {value}: more than {high}; a benchmark row needs far fewer, use at most {high}")
+    at_least("--steps", args.steps, args.warmup + 1, f"{args.warmup} warm-up + at least 1 measured")
     at_least("--grad-accum", args.grad_accum, 1 if args.smoke else 8,
              "micro-batches per optimizer step" if args.smoke else "the GPU run; any >= 1 with --smoke")
     positive("--budget-gib", args.budget_gib, "GiB")
+    at_least("--repeat", args.repeat, 1, "runs of each configuration")
+    if args.repeat > 5:
+        raise UserError(f"--repeat {args.repeat}: more than 5 runs of each configuration in one process; use 1 to 5")
     if args.checkpoint_layers is not None:
         args.checkpoint_layers = checkpoint_layers_arg(args.checkpoint_layers, "tiny" if args.smoke else "edge",
-                                                       [c.name for c in every if c.name in only])
+                                                       [c.name for c in every if c.name in only + profiles + probes])
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
     writable_dir("--out", args.out)
     # <date>_cosmos_<gpu>_edge24gb, a smoke's ending in -smoke: a smoke never replaces the GPU results
@@ -580,7 +652,7 @@ def _main(argv: list[str] | None) -> int:
     free_targets("--out", args.out, [f"{stem}.json", f"{stem}.md"]
                  + [f"{stem}-{slug(t)}-memory.{ext}" for t in timelines for ext in ("csv", "png")]
                  + [f"{stem}-{slug(n)}-profile-trace.json.gz" for n in profiles])
-    if any(c.capped for c in chosen + [c for c in every if c.name in profiles]):
+    if any(c.capped for c in chosen + [c for c in every if c.name in profiles + probes]):
         at_most_card("--budget-gib", args.budget_gib)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     device = torch.cuda.get_device_name() if cuda else "cpu"
@@ -591,17 +663,15 @@ def _main(argv: list[str] | None) -> int:
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         os.environ["ONECARD_LATENT_CACHE"] = str(tmp / "latents")  # cold for the first cache row, warm after
-        for cfg in chosen:
-            rows.append(run_one(cfg, args, tmp, flops_p, peak))
-            if cfg.name in timelines:  # kept in tmp until every row has run: --out gets all or nothing
+        # each --only row (--repeat times), then each --profile row, then each --queue-depth row
+        runs = ([(c, {"run": k}) for c in chosen for k in range(1, args.repeat + 1)]
+                + [(next(c for c in every if c.name == n), {"profile": True}) for n in profiles]
+                + [(next(c for c in every if c.name == n), {"probe": True}) for n in probes])
+        for cfg, how in runs:
+            rows.append(run_one(cfg, args, tmp, flops_p, peak, **how))
+            if how.get("run") == 1 and cfg.name in timelines:  # kept in tmp until every row has run: all or nothing
                 keep_timeline(cfg.name, tmp, tmp / "timelines")
-            print(json.dumps(rows[-1]), flush=True)
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-        for name in profiles:
-            rows.append(run_one(next(c for c in every if c.name == name), args, tmp, flops_p, peak, profile=True))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "breakdown"}), flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("breakdown", "queue_depth")}), flush=True)
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()

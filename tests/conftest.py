@@ -92,6 +92,30 @@ def small_dataset(sample_dataset: Path, tmp_path_factory: pytest.TempPathFactory
     return first_rows(sample_dataset, tmp_path_factory.mktemp("data") / "small_dataset", 8)
 
 
+@pytest.fixture(scope="module")
+def edge_bench():
+    """``benchmarks/edge_24gb.py`` loaded as a module (a script, not a package member), once per test module."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(
+        "edge_24gb_bench_shared", Path(__file__).resolve().parents[1] / "benchmarks" / "edge_24gb.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture()
+def edge_smoke_env(monkeypatch: pytest.MonkeyPatch, small_dataset: Path) -> Path:
+    """The edge benchmark's CPU smoke environment: the small sample dataset, no base checkpoint or VAE paths, one
+    process (no rank variables). Returns the dataset."""
+    monkeypatch.setenv("DATASET_PATH", str(small_dataset))
+    for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    return small_dataset
+
+
 @pytest.fixture(scope="session")
 def h3_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The H3 launcher's sample dataset (full-size rows, as it prepares them itself), built once per session."""

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +14,7 @@ import torch
 from benchmarks import breakdown as bd
 from benchmarks.checks import result_stem
 
-REPO = Path(__file__).resolve().parents[1]
-MAIN, AUTOGRAD = 1, 2  # thread ids
+MAIN, AUTOGRAD, LOADER, DEVICE_THREAD = 1, 2, 3, 4  # thread ids
 
 
 def ann(name, ts, dur, tid=MAIN):
@@ -152,21 +148,9 @@ def test_a_trace_without_the_marks_is_refused():
         bd.breakdown({"traceEvents": kernel("x", 0, 1, 1, 1)})
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("edge_24gb_bench_profile", REPO / "benchmarks" / "edge_24gb.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_profile_smoke_adds_a_profiled_row(bench, tmp_path, monkeypatch, small_dataset):
-    monkeypatch.setenv("DATASET_PATH", str(small_dataset))
-    for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+def test_profile_smoke_adds_a_profiled_row(edge_bench, tmp_path, edge_smoke_env):
     name = "all levers + optimizer-state streaming + selective AC"  # on the CPU: eager, dense-mask fallback as the trainer runs it
-    assert bench.main(["--smoke", "--steps", "2", "--grad-accum", "2", "--only", name, "--profile", name,
+    assert edge_bench.main(["--smoke", "--steps", "2", "--grad-accum", "2", "--only", name, "--profile", name,
                        "--profile-without-sync", "--out", str(tmp_path)]) == 0
     stem = result_stem("cosmos", "edge24gb", "cpu", smoke=True)
     rows = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
@@ -181,13 +165,13 @@ def test_profile_smoke_adds_a_profiled_row(bench, tmp_path, monkeypatch, small_d
     assert b["synchronized_phases"] is False and sum(b["gpu_idle_while"].values()) <= b["wall_s"] * (1 + 1e-9)
     md = (tmp_path / f"{stem}.md").read_text()
     assert f"Where the time goes: {name} (profiled)" in md and "(phases not synchronized)" in md
-    trace = tmp_path / f"{stem}-{bench.slug(name)}-profile-trace.json.gz"
+    trace = tmp_path / f"{stem}-{edge_bench.slug(name)}-profile-trace.json.gz"
     assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
 
 
 @pytest.mark.parametrize("value", ["nosuch", "stock,nosuch", ","])
-def test_profile_names_known_configurations(bench, tmp_path, value, capsys):
-    assert bench.main(["--smoke", "--grad-accum", "1", "--profile", value, "--out", str(tmp_path)]) == 2
+def test_profile_names_known_configurations(edge_bench, tmp_path, value, capsys):
+    assert edge_bench.main(["--smoke", "--grad-accum", "1", "--profile", value, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "--profile" in err and not list(tmp_path.iterdir())
 
@@ -213,7 +197,7 @@ def test_host_side_launches_waits_and_ops_per_phase():
     assert b["phases"]["forward"]["wall_s"] == pytest.approx(300e-6)
     assert b["layers"]["forward_wall_s"] == [pytest.approx(90e-6), pytest.approx(100e-6)]
     md = bd.markdown_table(b)
-    assert "| forward | 3 | 1 | 0.0 | `FSDP::pre_forward` ×1 0.0 |" in md
+    assert "| forward | 3 | 1 | 0.0 | `FSDP::pre_forward` ×1 0.0 |  |" in md
     assert "Forward wall per layer 0.1–0.1 ms" in md
 
 
@@ -229,7 +213,26 @@ def test_an_async_copy_is_a_launch_not_a_wait_and_counts_are_per_micro_batch():
     assert fwd["launches"] == 4 and fwd["syncs"] == {"count": 0, "s": 0.0}  # 3 kernels + the async copy, each once
 
 
-def test_profile_without_sync_needs_a_profile_row(bench, tmp_path, capsys):
-    assert bench.main(["--smoke", "--grad-accum", "1", "--profile-without-sync", "--out", str(tmp_path)]) == 2
+def test_profile_without_sync_needs_a_profile_row(edge_bench, tmp_path, capsys):
+    assert edge_bench.main(["--smoke", "--grad-accum", "1", "--profile-without-sync", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "--profile-without-sync" in err and not list(tmp_path.iterdir())
+
+
+def test_ops_of_threads_beside_the_step_are_listed_apart():
+    """A loader thread's op (laying out the next micro-batch) is not the phase's host work; an autograd node's
+    thread is a training thread even without a mark on it."""
+    t = trace()
+    t["traceEvents"] += [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::index_put_", "ts": 20, "dur": 30, "tid": LOADER},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::arange", "ts": 40, "dur": 2, "tid": MAIN},
+        {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: MulBackward0", "ts": 900, "dur": 8,
+         "tid": DEVICE_THREAD},
+    ]
+    h = bd.breakdown(t)["host"]
+    assert h["host and data"]["ops"] == [{"name": "aten::arange", "count": 1, "s": pytest.approx(2e-6)}]
+    assert h["host and data"]["other_threads"] == [{"name": "aten::index_put_", "count": 1, "s": pytest.approx(30e-6)}]
+    assert [o["name"] for o in h["backward"]["ops"]] == ["autograd::engine::evaluate_function: MulBackward0"]
+    assert h["backward"]["other_threads"] == []
+    md = bd.markdown_table(bd.breakdown(t))
+    assert "| host and data | 1 | 0 | 0.0 | `aten::arange` ×1 0.0 | `aten::index_put_` ×1 0.0 |" in md

@@ -203,3 +203,14 @@ def test_check_writable_refuses_a_broken_link_at_the_path_itself(tmp_path):
     assert check_writable(tmp_path / "link", "OUTPUT_ROOT") == tmp_path / "link"
     assert check_writable(tmp_path / "new" / "run", "OUTPUT_ROOT") == tmp_path / "new" / "run"
     assert not (tmp_path / "new").exists()
+
+
+def test_check_writable_refuses_a_path_it_cannot_look_at(tmp_path):
+    """A folder name too long for the file system (``OSError`` ENAMETOOLONG from ``exists()``) is one ``UserError``
+    naming the flag, not a traceback; a long name that fits passes."""
+    from patches.core.errors import UserError
+    from patches.core.preflight import check_writable
+
+    with pytest.raises(UserError, match=r"^--out='.*' cannot be used \(File name too long\); point --out at another"):
+        check_writable(tmp_path / ("a" * 300), "--out")
+    assert check_writable(tmp_path / ("a" * 200), "--out") == tmp_path / ("a" * 200)

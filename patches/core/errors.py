@@ -36,11 +36,15 @@ INT64_MAX = 2**63 - 1
 def ascii_number(kind: type) -> Callable[[str], Any]:
     """An argparse ``type=`` that reads ``kind`` (``int`` or ``float``) from ASCII text only: ``int()`` and
     ``float()`` also take other scripts' digits (``"٥"`` is 5), which no shell user means; an ``int`` must fit a
-    64-bit signed integer (what every count and seed here becomes in torch). Refusals are argparse's one line."""
+    64-bit signed integer (what every count and seed here becomes in torch); spaces around it and underscores in it
+    (which ``int()`` reads: ``"1_0"`` is 10) are refused too. Refusals are argparse's one line."""
 
     def parse(text: str) -> Any:
         if not text.isascii():
             raise argparse.ArgumentTypeError(f"{text!r} is not a number in ASCII digits: type it with 0-9")
+        if text != text.strip() or "_" in text:  # int() and float() take " 3", "3\n" and "1_0" (10)
+            raise argparse.ArgumentTypeError(f"{text!r} has spaces or underscores: type the number alone, e.g. "
+                                             f"{text.strip().replace('_', '') or '3'}")
         try:
             value = kind(text)
         except ValueError:

@@ -23,12 +23,17 @@ def check_writable(folder: str | Path, name: str) -> Path:
     created there must be creatable; it is removed at once. Returns ``folder`` as a :class:`Path`.
 
     Raises:
-        UserError: ``folder`` is a regular file or lies under one, a link on its path is dangling, or the nearest
-            existing folder is not writable.
+        UserError: ``folder`` is a regular file or lies under one, a link on its path is dangling, the path cannot
+            be looked at (a name too long, a folder on it that cannot be searched), or the nearest existing folder is
+            not writable.
     """
     folder = Path(folder)
-    existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor))
-    dangling = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+    try:
+        existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor))
+        dangling = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+    except OSError as e:  # a name too long for the file system, a folder on the path that cannot be searched
+        raise UserError(f"{name}={str(folder)[:120]!r} cannot be used ({e.strerror}); point {name} at another "
+                        "folder") from None
     if dangling is not None:
         raise UserError(f"{name}={folder} cannot be created: {dangling} is a broken symbolic link; point {name} at "
                         "another folder")
