@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CATEGORIES", "categorize", "breakdown", "ProfiledMicroBatches", "markdown_table"]
+__all__ = ["CATEGORIES", "categorize", "breakdown", "ProfiledMicroBatches", "markdown_table", "wrap_layer_calls"]
 
 PREFIX = "onecard."
 PHASES = ("encode", "forward", "backward")
@@ -149,7 +149,8 @@ def _host_side(ev: list[dict], micro: list[tuple[float, float]], phase_of, names
     calls (:data:`LAUNCH_RX`), the device waits (:data:`SYNC_RX`: count and s) and the ``top`` host ops by inclusive
     time (name, count, s) of the host events ``ev`` that start inside a micro-batch (the ``onecard.`` marks left out)
     on the training threads (:func:`_training_threads`); ``other_threads``: the ``top`` host ops that other threads
-    ran meanwhile (the loader threads, the EMA), which the phase's own time does not include."""
+    ran meanwhile (the loader threads, the EMA), which the phase's own time does not include. Launch and wait calls
+    are counted on the training threads only."""
     train = _training_threads(ev)
     host = {p: {"launches": 0, "syncs": [0, 0.0], "ops": defaultdict(lambda: [0, 0.0]),
                 "other": defaultdict(lambda: [0, 0.0])} for p in names}
@@ -330,6 +331,18 @@ class _Phases:
             torch.cuda.synchronize(self._device)
 
 
+def wrap_layer_calls(model: torch.nn.Module, wrap) -> int:
+    """Replace each decoder layer's call (the modules ``model._repeated_blocks`` names, in module order) with
+    ``wrap(call, index)``, outside the layer's compiled region (no graph break): the compiled call
+    (``_compiled_call_impl``) of a compiled layer, else its ``forward``. Returns how many layers were wrapped."""
+    names = set(getattr(model, "_repeated_blocks", ()))
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    for i, m in enumerate(layers):
+        attr = "_compiled_call_impl" if getattr(m, "_compiled_call_impl", None) is not None else "forward"
+        setattr(m, attr, wrap(getattr(m, attr), i))
+    return len(layers)
+
+
 class ProfiledMicroBatches:
     """Profile micro-batches ``micros`` of optimizer step ``iteration`` of ``recipe`` (install before the run).
 
@@ -369,11 +382,7 @@ class ProfiledMicroBatches:
         outside its compiled region: forward only (a selective recompute runs inside the compiled backward)."""
         if not any(getattr(m, "_gradient_checkpointing_func", None) is not None
                    and getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-            names = set(getattr(model, "_repeated_blocks", ()))
-            for m in model.modules():
-                if type(m).__name__ in names:
-                    attr = "_compiled_call_impl" if getattr(m, "_compiled_call_impl", None) is not None else "forward"
-                    setattr(m, attr, self._marked_call(getattr(m, attr)))
+            wrap_layer_calls(model, lambda call, i: self._marked_call(call))
             return
         for m in model.modules():
             fn = getattr(m, "_gradient_checkpointing_func", None)

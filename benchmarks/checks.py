@@ -87,6 +87,16 @@ def free_targets(flag: str, folder: str | os.PathLike, names: Iterable[str]) -> 
                             "move it or choose another folder")
 
 
+def folder_arg(text: str) -> Path:
+    """An ``argparse`` ``type=`` for an output folder (``--out``): the name as a :class:`Path`, refused when it is
+    empty or blank (``Path("")`` is the current folder, which no one means by an empty value)."""
+    import argparse
+
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: give the folder the results go to")
+    return Path(text)
+
+
 def writable_dir(flag: str, path: str | os.PathLike) -> Path:
     """That ``path`` is a writable folder, or can be created as one; creates nothing. Returns ``Path(path)``
     (:func:`patches.core.preflight.check_writable`, the trainers' check of ``OUTPUT_ROOT``).

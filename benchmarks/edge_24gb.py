@@ -103,12 +103,13 @@ sys.path.insert(0, str(HERE.parent))
 
 from benchmarks import breakdown as bd  # noqa: E402
 from benchmarks import queue_depth as qd  # noqa: E402
-from benchmarks.checks import (at_least, at_most_card, free_targets, pick, positive, result_stem,  # noqa: E402
+from benchmarks.checks import (at_least, at_most_card, folder_arg, free_targets, pick, positive, result_stem,  # noqa: E402
                                writable_dir, write_together)
 from cosmos_framework_ext.levers import packing  # noqa: E402
 from cosmos_framework_ext.recipe import train
 from patches.core import trainer as skeleton  # noqa: E402
 from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
+from patches.core.flags import whole_number_arg  # noqa: E402
 from patches.core.io import atomic_write  # noqa: E402
 from patches.core.runtime import GiB, median  # noqa: E402
 
@@ -357,25 +358,15 @@ def checkpoint_layers_arg(value: str, preset: str, only: list[str]) -> str:
     return value if value in ("all", "auto") else str(int(value))
 
 
-def out_folder(text: str) -> Path:
-    """``--out``'s argparse type: a folder name that is not empty or blank (``Path("")`` would be the current folder)."""
-    if not text.strip():
-        from argparse import ArgumentTypeError
-
-        raise ArgumentTypeError(f"{text!r} is empty: give the folder the results go to (default benchmarks/results)")
-    return Path(text)
-
-
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def measured_part(micro_batches: int, steps: int, warmup: int, grad_accum: int) -> tuple[slice, slice]:
+def measured_part(warmup: int, grad_accum: int) -> tuple[slice, slice]:
     """Which of a row's micro-batch times and optimizer-step times are measured: those after its first ``warmup``
-    steps (``grad_accum`` micro-batches each); every one of a kind when the run had none after the warm-up."""
+    steps (``grad_accum`` micro-batches each). ``--steps`` > ``--warmup`` is checked before any row runs."""
     warm = warmup * grad_accum
-    return (slice(warm, None) if micro_batches > warm else slice(None),
-            slice(warmup, None) if steps > warmup else slice(None))
+    return slice(warm, None), slice(warmup, None)
 
 
 def replay_samples(recipe: train.CosmosSFT) -> list[list[tuple[int, int]]]:
@@ -411,7 +402,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
     row named ``<config> (queue depth)``, its last step marked (:mod:`benchmarks.queue_depth`, row key
     ``queue_depth``); ``run`` > 1: the configuration's ``run``-th run in this process (``<config> (run <k>)``)."""
     cuda = torch.cuda.is_available()
-    os.environ.update(cfg.flags, OUTPUT_ROOT=str(tmp / "out" / slug(cfg.name)))
+    suffix = PROFILED if profile else PROBED if probe else f" (run {run})" if run > 1 else ""
+    os.environ.update(cfg.flags, OUTPUT_ROOT=str(tmp / "out" / slug(cfg.name + suffix)))  # each row its own folder
     cap_gib = cfg.cap_gib or args.budget_gib
     if cfg.capped and cuda:
         os.environ["ONECARD_GPU_MEMORY_GIB"] = str(cap_gib)
@@ -419,7 +411,6 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         os.environ.pop("ONECARD_GPU_MEMORY_GIB", None)
         if cuda:
             torch.cuda.set_per_process_memory_fraction(1.0)
-    suffix = PROFILED if profile else PROBED if probe else f" (run {run})" if run > 1 else ""
     row: dict = {"config": cfg.name + suffix, "capped_gib": cap_gib if cfg.capped and cuda else None,
                  "attention": cfg.attention or "default (dense masks)", "compile": cfg.compile}
     if cfg.attention and attention_place() is None:
@@ -437,8 +428,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         ga = args.grad_accum
         prof = bd.ProfiledMicroBatches(recipe, args.steps - 1, range(min(1, ga - 1), min(4, ga)),
                                        tmp / "traces" / f"{slug(cfg.name)}.json", sync=not args.profile_without_sync)
+    pauses = qd.GcPauses(recipe, first=args.warmup)  # the measured steps; installed first: inside the probe's wrapper
     marks = qd.QueueDepth(recipe, args.steps - 1) if probe else None
-    pauses = qd.GcPauses(recipe, first=args.warmup)  # the measured steps (after the warm-up)
     step_s: list[float] = []
     step = recipe.train_step
 
@@ -459,7 +450,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         row["wall_s"] = time.perf_counter() - t0
         return row
     ga = recipe.ga
-    measured, measured_steps = measured_part(len(recipe.micro_times), len(step_s), args.warmup, ga)
+    measured, measured_steps = measured_part(args.warmup, ga)
     times = recipe.micro_times[measured]
     batches = replay_samples(recipe)[measured]
     n_samples = sum(len(b) for b in batches)
@@ -521,10 +512,12 @@ def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: s
         return "–" if v is None else format(v * scale, fmt)
 
     base = next((r for r in rows if r["config"] == CONFIGS[0].name and r.get("s_per_sample")), None)
+    warm = next((r["warmup_steps"] for r in rows if r.get("warmup_steps")), 1)
     head = (f"{time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}; preset {next((r['preset'] for r in rows if 'preset' in r), '?')}, "
             f"cap {next((r['cap'] for r in rows if 'cap' in r), '?')}, grad_accum_iter {ga}, EMA on; capped rows: card limited to {budget} GiB unless the row says. MFU: model FLOPs "
             f"(fwd + bwd, no recompute) / micro-batch time / peak ({peak_note}); in brackets against the measured "
-            f"bf16 GEMM ceiling {MEASURED_GEMM_TFLOPS:.0f} TFLOP/s. Pre-pass: the latent cache's, before training, "
+            f"bf16 GEMM ceiling {MEASURED_GEMM_TFLOPS:.0f} TFLOP/s. Medians: the upper median over the measured steps, "
+            f"each row's first {warm} optimizer step(s) not measured. Pre-pass: the latent cache's, before training, "
             "in no step time.\n\n"
             "| config | status | card cap GiB | checkpointed layers | median s/micro-batch | s/step | s/sample (vs stock) "
             "| peak alloc GiB | peak reserved GiB "
@@ -568,12 +561,13 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-gib", type=float, default=22.06, help="card cap of the capped rows (GiB)")
-    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (more than --warmup)")
-    ap.add_argument("--warmup", type=int, default=1,
-                    help="optimizer steps at the start of each configuration that are not measured (default 1; "
-                    "the first run in a process reaches its steady speed after about 3)")
-    ap.add_argument("--grad-accum", type=int, default=8, help="grad_accum_iter (>= 8 on the GPU; default 8)")
-    ap.add_argument("--out", type=out_folder, default=HERE / "results")
+    ap.add_argument("--steps", type=whole_number_arg(1, 1000, "optimizer steps"), default=3,
+                    help="optimizer steps per configuration (more than --warmup; at most 1000)")
+    ap.add_argument("--warmup", type=whole_number_arg(1, 100, "warm-up optimizer steps"), default=1,
+                    help="optimizer steps at the start of each configuration that are not measured (1-100, default 1)")
+    ap.add_argument("--grad-accum", type=whole_number_arg(1, 4096, "micro-batches per optimizer step"), default=8,
+                    help="grad_accum_iter (>= 8 on the GPU, at most 4096; default 8)")
+    ap.add_argument("--out", type=folder_arg, default=HERE / "results")
     ap.add_argument("--only", default=None, help="comma-separated config names to run (default: the six main ones; --list names all)")
     ap.add_argument("--list", action="store_true", help="list the configuration names and exit")
     ap.add_argument("--timelines", default=None,
@@ -587,7 +581,7 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--profile-without-sync", action="store_true",
                     help="the --profile rows mark their phases without device synchronizes: the GPU runs behind the "
                     "host as unprofiled, and the breakdown's \"GPU idle while\" line is the critical path as training has it")
-    ap.add_argument("--repeat", type=int, default=1,
+    ap.add_argument("--repeat", type=whole_number_arg(1, 5, "runs of each configuration"), default=1,
                     help="run each --only configuration this many times, one after another in this process (1-5; "
                     "rows after the first named \"<config> (run <k>)\"): whether a row's place in the process "
                     "changes its times")
@@ -615,18 +609,10 @@ def _main(argv: list[str] | None) -> int:
     if args.profile_without_sync and not profiles:
         raise UserError("--profile-without-sync changes how the --profile rows are profiled, and none is named: add "
                         "--profile CONFIG, or drop --profile-without-sync")
-    at_least("--warmup", args.warmup, 1, "warm-up optimizer steps (the first compiles)")
-    for flag, value, high in (("--warmup", args.warmup, 100), ("--steps", args.steps, 1000),
-                              ("--grad-accum", args.grad_accum, 4096)):
-        if value > high:
-            raise UserError(f"{flag} {value}: more than {high}; a benchmark row needs far fewer, use at most {high}")
-    at_least("--steps", args.steps, args.warmup + 1, f"{args.warmup} warm-up + at least 1 measured")
+    at_least("--steps", args.steps, args.warmup + 1, f"{args.warmup} warm-up (--warmup) + at least 1 measured")
     at_least("--grad-accum", args.grad_accum, 1 if args.smoke else 8,
              "micro-batches per optimizer step" if args.smoke else "the GPU run; any >= 1 with --smoke")
     positive("--budget-gib", args.budget_gib, "GiB")
-    at_least("--repeat", args.repeat, 1, "runs of each configuration")
-    if args.repeat > 5:
-        raise UserError(f"--repeat {args.repeat}: more than 5 runs of each configuration in one process; use 1 to 5")
     if args.checkpoint_layers is not None:
         args.checkpoint_layers = checkpoint_layers_arg(args.checkpoint_layers, "tiny" if args.smoke else "edge",
                                                        [c.name for c in every if c.name in only + profiles + probes])

@@ -44,7 +44,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.checks import (at_least, at_most_card, free_targets, pick, positive, result_stem,  # noqa: E402
+from benchmarks.checks import (at_least, at_most_card, folder_arg, free_targets, pick, positive, result_stem,  # noqa: E402
                                writable_dir, write_together)
 from cosmos_framework_ext.recipe import train  # noqa: E402
 from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
@@ -147,7 +147,7 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--seed-cap-gib", type=float, default=15.0, help="card cap for seed dtypes, all levers")
     ap.add_argument("--only", default=None, help=f"comma-separated configurations to run, of {', '.join(KEYS)} "
                     "(default: all four, in that order)")
-    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--out", type=folder_arg, default=HERE / "results")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny preset: the code path only (also without a GPU)")
     args = ap.parse_args(argv)
     # every check before the GPU check, the runs and any write under --out

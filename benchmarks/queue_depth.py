@@ -27,12 +27,15 @@ On the CPU (the smoke) there are no events: the marks keep the host times and ev
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
 from typing import Any
 
 import torch
+
+from benchmarks.breakdown import wrap_layer_calls
 
 __all__ = ["GcPauses", "QueueDepth", "STARVED_MS", "summarize", "markdown_table"]
 
@@ -54,7 +57,8 @@ def summarize(marks: list[tuple[int | None, str, float, float | None]]) -> dict[
         "per_micro_batch": [{"micro", "wall_ms", "starved_marks": [names], "idle_bound_ms", "marks": [[name,
         host_ms, lag_ms], ...]}], "optimizer": [{"name", "host_ms", "lag_ms"}]}``: per mark name (in the order first
         seen), the mean over micro-batches of its host time from its micro-batch's ``start`` and of its lag, the
-        smallest lag, and in how many micro-batches the GPU had caught up there (lag <= :data:`STARVED_MS`); per
+        smallest lag, in how many micro-batches the GPU had caught up there (``starved``: lag <= :data:`STARVED_MS`;
+        the GPU had nothing queued before the mark, so it waited for the host) of the ``of`` that have the mark; per
         micro-batch its marks in host order and ``idle_bound_ms``, the most the GPU can have idled between its
         ``start`` and ``end``: a GPU with ``lag`` ms of queued work at a mark is busy for at least that long, so
         between two marks ``dt`` ms apart it idles at most ``max(0, dt - lag)``, summed over the micro-batch's
@@ -149,24 +153,27 @@ class _Marked:
         return getattr(self._mem, name)
 
     def phase(self, name: str):
-        import contextlib
-
         @contextlib.contextmanager
         def marked():
             with self._mem.phase(name):
                 self._probe.mark(f"{name} in")
+                self._probe.in_backward = name == "backward"
                 try:
                     yield
                 finally:
+                    self._probe.in_backward = False
                     self._probe.mark(f"{name} out")
 
         return marked()
 
 
 class QueueDepth:
-    """Mark optimizer step ``iteration`` of ``recipe`` (a built-but-not-run ``CosmosSFT``; install before the run).
+    """Mark optimizer step ``iteration`` (0-based) of ``recipe`` (a built-but-not-run ``CosmosSFT``; install before
+    the run).
 
-    After the run, :attr:`result` holds :func:`summarize` of the marks (``None`` if the step never ran).
+    A layer's forward is marked outside the recipe's ``backward`` phase only: a full activation checkpoint's recompute
+    calls the layer again inside the backward, and that call is not a forward. After the run, :attr:`result` holds
+    :func:`summarize` of the marks (``None`` if the step never ran or failed).
     """
 
     def __init__(self, recipe: Any, iteration: int):
@@ -176,6 +183,8 @@ class QueueDepth:
         self._micro: int | None = None
         self._marks: list[tuple[int | None, str, float, Any]] = []
         self._origin: tuple[float, Any] | None = None
+        self.in_backward = False
+        """Inside the recipe's ``backward`` phase (set by the phase marks)."""
         step, micro_batch, build = recipe.train_step, recipe._micro_batch, recipe._build_model
 
         def probed_step(it: int):
@@ -190,11 +199,12 @@ class QueueDepth:
             recipe.mem = _Marked(mem, self)
             self._on = True
             try:
-                return step(it)
+                result = step(it)
             finally:
                 self._on = False
                 recipe.mem = mem
-                self._finish()
+            self._finish()  # only after a step that ran: a failing step's own error is what the caller sees
+            return result
 
         def probed_micro(it: int, micro: int):
             if not self._on:
@@ -228,15 +238,11 @@ class QueueDepth:
         self._marks.append((self._micro, name, time.perf_counter(), ev))
 
     def _mark_layers(self, model: torch.nn.Module) -> None:
-        names = set(getattr(model, "_repeated_blocks", ()))
-        layers = [m for m in model.modules() if type(m).__name__ in names]
-        for i, m in enumerate(layers):
-            attr = "_compiled_call_impl" if getattr(m, "_compiled_call_impl", None) is not None else "forward"
-            setattr(m, attr, self._marked(getattr(m, attr), i))
+        wrap_layer_calls(model, self._marked)
 
     def _marked(self, call, i: int):
         def marked(*args, **kwargs):
-            if not self._on or not torch.is_grad_enabled():
+            if not self._on or not torch.is_grad_enabled() or self.in_backward:
                 return call(*args, **kwargs)
             self.mark(f"layer {i} forward")
             out = call(*args, **kwargs)
@@ -259,15 +265,16 @@ class QueueDepth:
             return
         if self.recipe.device.type == "cuda":
             torch.cuda.synchronize(self.recipe.device)
-        h0, e0 = self._origin
-        rows = [(micro, name, h - h0, None if ev is None else h0 + e0.elapsed_time(ev) / 1e3 - h0)
+        h0, e0 = self._origin  # the GPU reached e0 when the host read h0 (nothing was queued): both clocks' zero
+        rows = [(micro, name, h - h0, None if ev is None else e0.elapsed_time(ev) / 1e3)
                 for micro, name, h, ev in self._marks]
         self.result = summarize(rows)
 
 
 class GcPauses:
-    """The Python garbage collector's pauses in the optimizer steps from ``first`` on of ``recipe`` (install before the
-    run; ``gc.callbacks``): a collection stops every Python thread, the one launching the GPU's work included.
+    """The Python garbage collector's pauses in the optimizer steps from ``first`` (0-based) on of ``recipe`` (install
+    before the run; ``gc.callbacks``): a collection stops every Python thread, the one launching the GPU's work
+    included.
 
     After the run, :attr:`result` is ``{"steps": n, "collections": {generation: count}, "pause_s": {generation: s},
     "longest_s": s}`` over those ``n`` steps (generations ``"0"``, ``"1"``, ``"2"``).

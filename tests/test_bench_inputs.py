@@ -44,8 +44,11 @@ def scripts():
 
 def _refused(mod, args, out: Path, capfd, mentions: str) -> str:
     """``mod.main(args + --out out)`` exits 2 with exactly one stderr line, an ``error:`` naming ``mentions``, and
-    leaves ``out`` as it was (absent, or empty)."""
-    rc = mod.main([*args, "--out", str(out)])
+    leaves ``out`` as it was (absent, or empty); argparse's own refusals exit through ``SystemExit(2)``."""
+    try:
+        rc = mod.main([*args, "--out", str(out)])
+    except SystemExit as e:
+        rc = e.code
     err = capfd.readouterr().err
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), err

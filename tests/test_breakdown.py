@@ -236,3 +236,35 @@ def test_ops_of_threads_beside_the_step_are_listed_apart():
     assert h["backward"]["other_threads"] == []
     md = bd.markdown_table(bd.breakdown(t))
     assert "| host and data | 1 | 0 | 0.0 | `aten::arange` ×1 0.0 | `aten::index_put_` ×1 0.0 |" in md
+
+
+def test_layer_calls_are_wrapped_outside_the_compiled_region():
+    """:func:`wrap_layer_calls` wraps a compiled layer's compiled call (so the wrapper runs eagerly, no graph break)
+    and an uncompiled layer's ``forward``, each with its index in module order."""
+
+    class Layer(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    class Model(torch.nn.Module):
+        _repeated_blocks = ["Layer"]
+
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+    model = Model()
+    model.layers[0].compile(backend="eager")
+    seen = []
+
+    def wrap(call, i):
+        def wrapped(*a, **k):
+            seen.append((i, torch.compiler.is_compiling()))
+            return call(*a, **k)
+        return wrapped
+
+    assert bd.wrap_layer_calls(model, wrap) == 2
+    x = torch.ones(2)
+    assert torch.equal(model.layers[1](model.layers[0](x)), 4 * x)
+    assert seen == [(0, False), (1, False)]
+    assert model.layers[0].__dict__.get("forward") is None  # the compiled layer: its compiled call was wrapped

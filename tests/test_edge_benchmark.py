@@ -3,25 +3,16 @@ one its docstring derives (checked by hand on a small case)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.checks import result_stem
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("edge_24gb_bench", REPO / "benchmarks" / "edge_24gb.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+def bench(edge_bench):
+    return edge_bench
 
 
 def test_model_flops_by_hand(bench):
@@ -40,10 +31,7 @@ def test_edge_pathways_split_the_tower(bench):
     assert p["und_train"] == 0 and p["gen_train"] == p["gen"] > 0 and p["und"] > 0
 
 
-def test_smoke_run_writes_the_table(bench, tmp_path, monkeypatch, small_dataset):
-    monkeypatch.setenv("DATASET_PATH", str(small_dataset))
-    for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+def test_smoke_run_writes_the_table(bench, tmp_path, edge_smoke_env):
     only = "stock (uncapped card),+ latent cache"
     assert bench.main(["--smoke", "--steps", "2", "--grad-accum", "1", "--only", only, "--out", str(tmp_path)]) == 0
     stem = result_stem("cosmos", "edge24gb", "cpu", smoke=True)  # a smoke never writes a GPU result's name

@@ -14,6 +14,16 @@ from benchmarks import queue_depth as qd
 from benchmarks.checks import result_stem
 
 ROW = "all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached"
+FULL = "all levers + optimizer-state streaming"
+"""A row under full activation checkpointing: the recompute calls each layer again from the backward's thread."""
+
+
+def exit_status(main, argv) -> int:
+    """``main(argv)``'s exit status: its return value, or the status of the ``SystemExit`` argparse raised."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
 
 
 def test_lags_per_mark_in_the_order_seen():
@@ -60,9 +70,9 @@ def test_a_lag_at_the_threshold_counts_as_caught_up_and_marks_go_in_host_order()
 
 
 def test_the_measured_part_leaves_out_the_warm_up_steps(edge_bench):
-    assert edge_bench.measured_part(24, 3, 2, 8) == (slice(16, None), slice(2, None))
-    assert edge_bench.measured_part(48, 6, 3, 8) == (slice(24, None), slice(3, None))
-    assert edge_bench.measured_part(8, 1, 1, 8) == (slice(None), slice(None))  # nothing after the warm-up: all
+    assert edge_bench.measured_part(2, 8) == (slice(16, None), slice(2, None))
+    assert edge_bench.measured_part(3, 8) == (slice(24, None), slice(3, None))
+    assert edge_bench.measured_part(1, 61) == (slice(61, None), slice(1, None))
 
 
 def test_without_events_the_lags_are_none():
@@ -88,9 +98,10 @@ def test_only_every_seventh_layer_and_the_last_are_shown():
 
 
 class FakeEvent:
-    """A CUDA event on a fake clock: the GPU reaches it ``GPU_BEHIND`` s after the host records it."""
+    """A CUDA event on a fake clock: the GPU reaches it ``behind`` s after the host records it."""
 
     now = [0.0]
+    behind = 0.0
 
     def __init__(self, enable_timing=True):
         self.t = None
@@ -103,9 +114,10 @@ class FakeEvent:
 
 
 def test_the_clocks_are_tied_at_the_step_start(monkeypatch):
-    """The probe on a fake CUDA device: each mark's lag is the GPU time minus the host time, the GPU time taken as the
-    host clock at the step's first event plus the events' elapsed time. A formula with the tie left out (GPU time =
-    elapsed time alone) would give every lag minus the host clock's reading at the start (here -100 s)."""
+    """The probe on a fake CUDA device: each mark's lag is the GPU time minus the host time, both from the step's first
+    event (the GPU reaches it when the host reads its clock, nothing being queued): the GPU time is the events' elapsed
+    time, the host time the clock reading less the first one. Host times left as raw clock readings (the clocks not
+    tied) would give every lag minus the host clock's reading at the start (here -100 s)."""
     clock = FakeEvent.now
     clock[0] = 100.0
     monkeypatch.setattr(qd.time, "perf_counter", lambda: clock[0])
@@ -161,11 +173,11 @@ def test_gc_pauses_count_only_the_measured_steps():
 
 
 def test_queue_depth_smoke_adds_a_marked_row(edge_bench, tmp_path, edge_smoke_env):
-    assert edge_bench.main(["--smoke", "--steps", "2", "--grad-accum", "2", "--only", ROW, "--queue-depth", ROW,
-                       "--repeat", "2", "--out", str(tmp_path)]) == 0
+    assert edge_bench.main(["--smoke", "--steps", "2", "--grad-accum", "2", "--only", ROW, "--queue-depth", FULL,
+                            "--repeat", "2", "--out", str(tmp_path)]) == 0
     stem = result_stem("cosmos", "edge24gb", "cpu", smoke=True)
     rows = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
-    assert [r["config"] for r in rows] == [ROW, ROW + " (run 2)", ROW + " (queue depth)"]
+    assert [r["config"] for r in rows] == [ROW, ROW + " (run 2)", FULL + " (queue depth)"]
     assert rows[1]["micro_batch_s"] and rows[1]["tokens_per_micro_batch"] == rows[0]["tokens_per_micro_batch"]
     rows = [rows[0], rows[2]]
     q = rows[1]["queue_depth"]
@@ -181,28 +193,34 @@ def test_queue_depth_smoke_adds_a_marked_row(edge_bench, tmp_path, edge_smoke_en
     # the backward reaches the layers last to first
     assert [n for n in names if n.endswith(" backward")] == [f"layer {i} backward" for i in reversed(range(layers))]
     assert names[-2:] == ["backward out", "end"] and all(m["lag_ms"] is None for m in q["marks"])
+    # one forward mark per layer and micro-batch: the full checkpoint's recompute (the backward's thread) is not one
+    assert all(m["of"] == q["micro_batches"] for m in q["marks"] if m["name"].startswith("layer "))
+    assert all([n for n, *_ in mb["marks"]].index("backward in") > max(
+        i for i, (n, *_) in enumerate(mb["marks"]) if n.endswith(" forward")) for mb in q["per_micro_batch"])
     assert [o["name"] for o in q["optimizer"]][:2] == ["optimizer in", "optimizer out"]
     md = (tmp_path / f"{stem}.md").read_text()
-    assert f"How far the GPU runs behind the host: {ROW} (queue depth)" in md
+    assert f"How far the GPU runs behind the host: {FULL} (queue depth)" in md
 
 
 @pytest.mark.parametrize("value", ["0", "6", "-1", "two"])
 def test_repeat_is_one_to_five_runs(edge_bench, tmp_path, value, capsys):
-    with pytest.raises(SystemExit) if value == "two" else contextlib.nullcontext():
-        assert edge_bench.main(["--smoke", "--grad-accum", "1", "--repeat", value, "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "--repeat" in err and not list(tmp_path.iterdir())
+    assert exit_status(edge_bench.main, ["--smoke", "--grad-accum", "1", "--repeat", value, "--out", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error:") and "--repeat" in line and not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("argv, flag", [(["--warmup", "0"], "--warmup"), (["--warmup", "2", "--steps", "2"], "--steps"),
-                                        (["--warmup=-1"], "--warmup"), (["--warmup", "101"], "--warmup"),
-                                        (["--steps", "1001"], "--steps"), (["--grad-accum", "4097"], "--grad-accum"),
-                                        (["--warmup", "9223372036854775807"], "--warmup"), (["--out", ""], "--out"),
-                                        (["--out", "  "], "--out")])
+@pytest.mark.parametrize("argv, flag", [
+    (["--warmup", "0"], "--warmup: '0' is not a whole number from 1 to 100"),
+    (["--warmup", "2", "--steps", "2"], "--steps = 2 must be >= 3"),
+    (["--warmup=-1"], "--warmup: '-1' is not a whole number from 1 to 100"),
+    (["--warmup", "101"], "--warmup: '101' is not a whole number from 1 to 100"),
+    (["--steps", "1001"], "--steps: '1001' is not a whole number from 1 to 1000"),
+    (["--grad-accum", "4097"], "--grad-accum: '4097' is not a whole number from 1 to 4096"),
+    (["--warmup", "9223372036854775807"], "from 1 to 100"), (["--out", ""], "--out: '' is empty"),
+    (["--out", "  "], "--out: '  ' is empty")])
 def test_warmup_leaves_a_measured_step(edge_bench, tmp_path, argv, flag, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # an --out taken as the current folder would write here
-    with pytest.raises(SystemExit) if flag == "--out" else contextlib.nullcontext():
-        assert edge_bench.main(["--smoke", "--grad-accum", "1", "--out", str(tmp_path), *argv]) == 2
+    assert exit_status(edge_bench.main, ["--smoke", "--grad-accum", "1", "--out", str(tmp_path), *argv]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error:") and flag in line and not list(tmp_path.iterdir())
 
@@ -224,6 +242,7 @@ def test_warmup_steps_are_not_measured(edge_bench, tmp_path, edge_smoke_env):
     assert row["warmup_steps"] == 2 and len(row["micro_batch_s"]) == 2  # step 3's two micro-batches only
     assert row["s_per_micro_batch"] == pytest.approx(max(row["micro_batch_s"]), abs=1e-4)  # the upper median of 2
     assert row["gc"]["steps"] == 1 and row["s_per_step"] > 0  # the GC pauses of step 3 alone
+    assert "each row's first 2 optimizer step(s) not measured" in (tmp_path / f"{stem}.md").read_text()
 
 
 @pytest.mark.parametrize("value", ["nosuch", "stock,nosuch", ","])
