@@ -8,12 +8,29 @@ recipe that knows the format.
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
 
 from .errors import UserError
 from .ports import check_port_free  # noqa: F401 - one place for every pre-flight check
+
+
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EBADF)
+"""``stat`` errors that mean "nothing there" (what ``Path.exists`` of Python 3.11 reads as False)."""
+
+
+def _exists(path: Path, follow: bool = True) -> bool:
+    """Whether ``path`` (its link target when ``follow``) exists; any other ``stat`` error is raised (``Path.exists``
+    swallows every ``OSError`` on newer Pythons, a name too long among them)."""
+    try:
+        os.stat(path) if follow else os.lstat(path)
+    except OSError as e:
+        if e.errno in _ABSENT:
+            return False
+        raise
+    return True
 
 
 def check_writable(folder: str | Path, name: str) -> Path:
@@ -29,8 +46,8 @@ def check_writable(folder: str | Path, name: str) -> Path:
     """
     folder = Path(folder)
     try:
-        existing = next(p for p in (folder, *folder.parents) if p.exists() or p == Path(p.anchor))
-        dangling = next((p for p in (folder, *folder.parents) if p.is_symlink() and not p.exists()), None)
+        existing = next(p for p in (folder, *folder.parents) if _exists(p) or p == Path(p.anchor))
+        dangling = next((p for p in (folder, *folder.parents) if _exists(p, follow=False) and not _exists(p)), None)
     except OSError as e:  # a name too long for the file system, a folder on the path that cannot be searched
         raise UserError(f"{name}={str(folder)[:120]!r} cannot be used ({e.strerror}); point {name} at another "
                         "folder") from None
