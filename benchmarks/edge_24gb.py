@@ -150,6 +150,8 @@ class Config:
     """``[onecard] compile_wrapper`` to set (empty: the trainer's default, inductor's Python wrapper)."""
     detach_text_stream: bool = False
     """``[onecard] detach_text_stream = true`` (no backward pass through the frozen text stream)."""
+    offload_layers: int = 0
+    """``[onecard] offload_layers`` to set (0: none; ``--offload-layers`` replaces it where it is set)."""
     inputs_on_main_thread: bool = False
     """Build every micro-batch's host inputs on the main thread (the trainer's path before they moved to the loader
     threads: the A/B of that change)."""
@@ -174,6 +176,9 @@ TWELVE_GB_CAP_GIB = 11.0
 """The 12 GB card's cap (an RTX 3060/4070 class card's usable memory, GiB)."""
 SELECTIVE_OPS = ["fmha", "flex_attention", "scaled_dot_product"]
 """``save_ops_regex`` of the selective rows: upstream's default plus the embedded trainer's attention ops."""
+OFFLOADED_LAYERS = 4
+"""``[onecard] offload_layers`` of the offloaded row: at 0.71 GB a layer each way and about 55 GB/s, four layers'
+copies to the host take about as long as the forward of the layers after them on an H100."""
 OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
            attention=ATTENTION_FLEX, compile=True, selective=True),
@@ -192,6 +197,14 @@ OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached "
            "+ lookup tables on the host", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX,
            compile=True, selective=True, checkpoint_layers="auto", detach_text_stream=True, host_embeddings=True),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached "
+           "+ activations offloaded", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX,
+           compile=True, selective=True, checkpoint_layers="auto", detach_text_stream=True,
+           offload_layers=OFFLOADED_LAYERS),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached "
+           "+ lookup tables on the host + activations offloaded", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
+           attention=ATTENTION_FLEX, compile=True, selective=True, checkpoint_layers="auto", detach_text_stream=True,
+           host_embeddings=True, offload_layers=OFFLOADED_LAYERS),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
@@ -293,10 +306,12 @@ def save_host(s: dict) -> dict:
     return out
 
 
-def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint_layers: str = "") -> Path:
+def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint_layers: str = "",
+                offload_layers: int | None = None) -> Path:
     """``edge_24gb.toml`` with this configuration's grad_accum_iter, compile, attention, checkpointed-layer and
     lookup-table settings (and the same values for the CPU smoke's ``cpu_*`` keys); ``checkpoint_layers`` (the
-    ``--checkpoint-layers`` override) replaces the row's own where the row sets one."""
+    ``--checkpoint-layers`` override) replaces the row's own where the row sets one, and ``offload_layers`` (the
+    ``--offload-layers`` override) the row's offloaded layers where the row offloads."""
     text = (HERE / "edge_24gb.toml").read_text()
     subs = [
         (r"(?m)^grad_accum_iter\s*=.*$", f"grad_accum_iter         = {grad_accum}"),
@@ -315,7 +330,8 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
     values = {"compile_blocks": cfg.compile,  # the embedded trainer compiles only when compile_blocks says so as well
               "checkpoint_layers": int(layers) if layers.isdigit() else layers,
               "host_embeddings": cfg.host_embeddings, "compile_wrapper": cfg.compile_wrapper,
-              "detach_text_stream": cfg.detach_text_stream}
+              "detach_text_stream": cfg.detach_text_stream,
+              "offload_layers": (offload_layers or cfg.offload_layers) if cfg.offload_layers else False}
     # unset: False or "" (0 checkpointed layers is a value); JSON writes these scalars as TOML does
     onecard = [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not False and value != ""]
     if onecard:
@@ -333,6 +349,14 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
     path = dest / f"{slug(cfg.name)}.toml"
     path.write_text(text)
     return path
+
+
+def layers_cell(row: dict) -> str:
+    """The table's checkpointed-layers cell: the count, and the offloaded layers taken from it (``"17 + 4 offloaded"``)."""
+    n, off = row.get("checkpoint_layers"), (row.get("offload") or {}).get("layers", 0)
+    if n is None:
+        return "–"
+    return f"{n - off} + {off} offloaded" if off else str(n)
 
 
 def checkpoint_layers_arg(value: str, preset: str, only: list[str]) -> str:
@@ -418,7 +442,9 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         return row
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp, args.checkpoint_layers or "")
+    # the CPU smoke's tiny preset has 2 decoder layers: it offloads 1
+    toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp, args.checkpoint_layers or "",
+                       args.offload_layers or (1 if args.smoke else None))
     # the final checkpoint is written (and deleted after the row): the row's host peak is through a save
     recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--max-iter", str(args.steps)]))
     if cfg.inputs_on_main_thread:
@@ -474,7 +500,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         peak_host_rss_gib=s["peak_host_rss_gib"], pinned_gib=s["pinned_bytes"] / GiB,
         **save_host(s),
         samples_per_step=s["samples_per_optimizer_step"],
-        checkpoint_layers=s.get("checkpoint_layers"),
+        checkpoint_layers=s.get("checkpoint_layers"), offload=s.get("offload"),
         host_tables_gib=(s.get("host_tables") or {}).get("host_bytes", 0) / GiB,
         host_inputs_built=s.get("host_inputs_built"),
         compile_note=s.get("compile"),
@@ -534,7 +560,7 @@ def markdown(rows: list[dict], device: str, budget: float, ga: int, peak_note: s
             f" ({100 * r['mfu_vs_measured_gemm']:.1f} %)" if r.get("mfu_vs_measured_gemm") is not None else "")
         pre = r.get("prepass")
         pre_s = "–" if not pre else f"{r['prepass_s']:.1f} ({pre['hits']}/{pre['misses']})"
-        body += (f"| {r['config']} | {r['status']} | {f(r.get('capped_gib'), '.2f')} | {r.get('checkpoint_layers', '–')} | "
+        body += (f"| {r['config']} | {r['status']} | {f(r.get('capped_gib'), '.2f')} | {layers_cell(r)} | "
                  f"{f(r.get('s_per_micro_batch'), '.3f')} | "
                  f"{f(r.get('s_per_step'), '.2f')} | {f(sps, '.4f')}{vs} | {f(r.get('peak_gpu_gib'), '.2f')} | "
                  f"{f(r.get('peak_gpu_reserved_gib'), '.2f')} | {pred} | {f(r.get('model_tflop_per_s'), '.1f')} | "
@@ -592,6 +618,9 @@ def _main(argv: list[str] | None) -> int:
     ap.add_argument("--checkpoint-layers", default=None,
                     help="[onecard] checkpoint_layers of the \"fewer checkpointed layers\" row (a number of decoder "
                     "layers, \"all\" or \"auto\"; default auto); every other row checkpoints every layer")
+    ap.add_argument("--offload-layers", type=whole_number_arg(1, 28, "offloaded decoder layers"), default=None,
+                    help=f"[onecard] offload_layers of the \"activations offloaded\" row (default {OFFLOADED_LAYERS}; at "
+                    "most its checkpointed layers)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU smoke of the benchmark itself (tiny preset; no GPU needed; any grad_accum)")
     args = ap.parse_args(argv)
@@ -616,6 +645,19 @@ def _main(argv: list[str] | None) -> int:
     if args.checkpoint_layers is not None:
         args.checkpoint_layers = checkpoint_layers_arg(args.checkpoint_layers, "tiny" if args.smoke else "edge",
                                                        [c.name for c in every if c.name in only + profiles + probes])
+    if args.offload_layers is not None:
+        from cosmos_framework_ext.recipe.presets import get_preset
+
+        preset = "tiny" if args.smoke else "edge"
+        layers = get_preset(preset).transformer["num_hidden_layers"]
+        if args.offload_layers > layers:
+            raise UserError(f"--offload-layers {args.offload_layers} is above the {layers} decoder layers of the {preset} "
+                            f"preset: pass 1 to {layers} (at most the row's checkpointed layers)")
+        readers = [c.name for c in every if c.offload_layers]
+        if not any(c in readers for c in only + profiles + probes):
+            raise UserError(f"--offload-layers applies only to the {len(readers)} rows named '... activations "
+                            "offloaded' (--list shows them): add one to --only (or --profile, --queue-depth), or drop "
+                            "--offload-layers")
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
     writable_dir("--out", args.out)
     # <date>_cosmos_<gpu>_edge24gb, a smoke's ending in -smoke: a smoke never replaces the GPU results

@@ -79,6 +79,12 @@ EDGE_24GB_BAD += [(["--smoke", "--only", FEWER, "--checkpoint-layers", bad], "--
 EDGE_24GB_BAD += [(["--smoke", "--checkpoint-layers", "1"], "--checkpoint-layers"),  # no row reads it: not ignored
                   (["--smoke", "--only", "levers 1+2", "--checkpoint-layers", "auto"], "--checkpoint-layers")]
 
+OFFLOADED = "all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached " \
+    "+ activations offloaded"
+EDGE_24GB_BAD += [(["--smoke", "--only", OFFLOADED, "--offload-layers", bad], "--offload-layers")
+                  for bad in ("0", "-1", "2.5", "x", "", "29", "3")]  # 3: above the smoke's tiny preset (2 layers)
+EDGE_24GB_BAD += [(["--smoke", "--only", FEWER, "--offload-layers", "1"], "--offload-layers")]  # no row reads it
+
 
 def test_edge_24gb_checkpoint_layers_values(scripts):
     arg = scripts["edge_24gb"].checkpoint_layers_arg

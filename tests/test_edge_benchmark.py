@@ -91,3 +91,30 @@ def test_each_rows_onecard_keys_reach_its_toml(bench, tmp_path):
     twelve = load_sft_config(bench.recipe_toml(rows[next(n for n in rows if n.startswith("12 GB"))], 8, 3, tmp_path))
     assert twelve.onecard.host_embeddings and twelve.onecard.checkpoint_layers == "all"
     assert load_sft_config(bench.recipe_toml(rows[fastest], 8, 3, tmp_path, "auto")).onecard.checkpoint_layers == "auto"
+
+
+def test_the_offloaded_rows_set_their_layers(bench, tmp_path):
+    from cosmos_framework_ext.recipe.config import load as load_sft_config
+
+    rows = {c.name: c for c in bench.CONFIGS + bench.OPTIONAL}
+    offloaded = [n for n in rows if n.endswith("+ activations offloaded")]
+    assert len(offloaded) == 2 and bench.OFFLOADED_LAYERS == 4
+    for name in offloaded:
+        o = load_sft_config(bench.recipe_toml(rows[name], 8, 3, tmp_path)).onecard
+        assert o.offload_layers == 4 and o.checkpoint_layers == "auto" and o.detach_text_stream
+        assert load_sft_config(bench.recipe_toml(rows[name], 8, 3, tmp_path, "", 6)).onecard.offload_layers == 6
+    plain = rows[offloaded[0].removesuffix(" + activations offloaded")]
+    assert load_sft_config(bench.recipe_toml(plain, 8, 3, tmp_path, "", 6)).onecard.offload_layers == 0  # not read
+    assert bench.layers_cell({"checkpoint_layers": 21, "offload": {"layers": 4}}) == "17 + 4 offloaded"
+    assert bench.layers_cell({"checkpoint_layers": 21, "offload": None}) == "21"
+    assert bench.layers_cell({}) == "–"
+
+
+def test_smoke_offloaded_row(bench, tmp_path, edge_smoke_env):
+    name = "all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached " \
+        "+ activations offloaded"
+    assert bench.main(["--smoke", "--steps", "2", "--grad-accum", "1", "--only", name, "--out", str(tmp_path)]) == 0
+    stem = result_stem("cosmos", "edge24gb", "cpu", smoke=True)
+    row, = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["checkpoint_layers"] == 2 and row["offload"]["layers"] == 1  # the smoke: 1
+    assert "| 1 + 1 offloaded |" in (tmp_path / f"{stem}.md").read_text()

@@ -79,7 +79,7 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def apply_selective_checkpointing(model: torch.nn.Module, save_ops_regex: Sequence[str] | None, *,
                                   preserve_rng_state: bool = True, determinism_check: str = "default",
-                                  layers: int | None = None) -> int:
+                                  layers: int | None = None, skip: int = 0) -> int:
     """Checkpoint the repeated blocks of ``model`` (``model._repeated_blocks``) selectively; returns how many.
 
     Call before :func:`~cosmos_framework_ext.levers.compile_blocks.compile_blocks` and instead of
@@ -90,21 +90,26 @@ def apply_selective_checkpointing(model: torch.nn.Module, save_ops_regex: Sequen
 
     Args:
         layers: checkpoint only the first ``layers`` blocks (``None``: all); the others keep their activations.
+        skip: of those, leave the first ``skip`` unchecked (the offloaded layers, which keep their activations on
+            the host: :mod:`~cosmos_framework_ext.levers.activation_offload`); returns ``layers - skip`` then.
 
     Raises:
-        ValueError: ``model`` has no repeated blocks, a pattern is not a regular expression, or ``layers`` is
-            negative or above the number of blocks.
+        ValueError: ``model`` has no repeated blocks, a pattern is not a regular expression, ``layers`` is
+            negative or above the number of blocks, or ``skip`` is negative or above ``layers``.
     """
     blocks = repeated_blocks(model)
     if layers is not None and not 0 <= layers <= len(blocks):
         raise ValueError(f"checkpoint layers {layers} must be in [0, {len(blocks)}] (the model's decoder layers)")
+    top = len(blocks) if layers is None else layers
+    if not 0 <= skip <= top:
+        raise ValueError(f"offloaded layers {skip} must be in [0, {top}] (the layers that would be checkpointed)")
     context_fn = (functools.partial(create_selective_checkpoint_contexts, save_policy(save_ops_regex))
                   if save_ops_regex is not None else None)
     if getattr(model, "gradient_checkpointing", False) or any(getattr(m, "gradient_checkpointing", False)
                                                               for m in model.modules()):
         model.disable_gradient_checkpointing()
     extra = {} if context_fn is None else {"context_fn": context_fn}
-    chosen = blocks if layers is None else blocks[:layers]
+    chosen = blocks[skip:top]
     for m in chosen:
         inner = m.forward
 

@@ -318,6 +318,13 @@ class OnecardConfig:
     cosmos_framework_ext.levers.selective_ac). ``"all"`` (default): every layer. ``"auto"``: as few as the memory
     ledger says fit the card (``ONECARD_GPU_MEMORY_GIB``, else the card's memory; every layer on a CPU). An integer:
     that many, at most the preset's layers (28 for edge). Ignored when ``mode = "none"``."""
+    offload_layers: int = dataclasses.field(default=0, metadata=meaning(ge=0))
+    """Of the checkpointed decoder layers, how many (the first ones) are instead run once and keep their saved
+    activations in pinned host memory until their backward: copied to the host in the forward pass, back in the
+    backward pass, on their own CUDA streams (cosmos_framework_ext.levers.activation_offload; the same gradients,
+    proof tests/equivalence/test_activation_offload.py). Each saves its recompute for PCIe traffic and pinned host
+    memory (about 0.67 GiB per edge-preset layer at cap 12288). 0 (default): none. At most the checkpointed layers
+    (``checkpoint_layers``); one rank, parameters stored in the compute dtype (no FSDP2)."""
     host_embeddings: bool = False
     """Keep the frozen text-token embedding (``embed_tokens``, a lookup) and ``lm_head`` (which the diffusion
     forward never runs) on the host, the lookup done there and its rows copied to the GPU: 1.0 GiB of GPU memory

@@ -109,6 +109,13 @@ def _counts_of(preset_name: str, keys: tuple[str, ...]) -> dict[str, int]:
     }
 
 
+def offload_reserve_bytes(tokens: int, hidden: int) -> int:
+    """Host bytes an offloaded decoder layer holds for a micro-batch of ``tokens`` tokens (at most: what an
+    uncheckpointed layer keeps on the GPU, the fitted ``ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN`` bytes per token and
+    hidden unit; the small tensors that stay on the GPU are in it too). The trainer reserves this per layer."""
+    return int(ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN * tokens * hidden)
+
+
 def _activation_items(cfg: SFTConfig, c: dict[str, Any], tokens: int, b: int, device_type: str,
                       checkpoint_layers: int | None) -> tuple[list[Item], int]:
     """The activation lines (on the GPU, or the host on a CPU run) and the checkpointed layers they price: the fitted
@@ -131,6 +138,12 @@ def _activation_items(cfg: SFTConfig, c: dict[str, Any], tokens: int, b: int, de
         kept = kept_attention_bytes(tokens, ckpt_layers, c["heads"], c["head_dim"], b)
         items.append(Item("kept attention outputs (selective AC)", *on_gpu(kept),
                           note=f"{ckpt_layers} layers x {tokens:,} tokens x {c['heads']} heads x (head_dim {c['head_dim']} + lse)"))
+    offloaded = min(cfg.onecard.offload_layers, ckpt_layers) if ac.mode != "none" else 0
+    if offloaded:  # on the GPU each is priced as a checkpointed layer: its copies in flight hold about as much
+        host = offload_reserve_bytes(tokens, c["hidden"]) * offloaded
+        items.append(Item("offloaded layers' activations", 0, host, pinned=device_type == "cuda",
+                          note=f"{offloaded} of the {ckpt_layers} checkpointed layers keep every activation on the "
+                          "host instead ([onecard] offload_layers; fitted per layer as uncheckpointed)"))
     return items, ckpt_layers
 
 
@@ -176,6 +189,7 @@ def cosmos_ledger(
     c = _counts(preset_name, cfg.optimizer.keys_to_select)  # builds the model on the meta device (seconds)
     check_host_embeddings(cfg.onecard.host_embeddings, c["tables_train"], world_size, mixed)  # the trainer's too
     check_text_stream(cfg.onecard.detach_text_stream, c["tables_train"])  # the trainer's too
+    check_offload_layers(cfg, preset_name, world_size, mixed, checkpoint_layers)  # the trainer's too
     cap = cap or cfg.dataloader_train.max_sequence_length
     at = _At(c=c, b=b, mb=mb, dt="bf16" if mb == 2 else "fp32", world=world_size, cuda=device_type == "cuda",
              tables_on_host=cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed)
@@ -331,10 +345,39 @@ def check_checkpoint_layers(cfg: SFTConfig, preset_name: str) -> None:
                         "checkpoint_layers")
 
 
+def check_offload_layers(cfg: SFTConfig, preset_name: str, world_size: int = 1, mixed: bool = False,
+                         checkpoint_layers: int | None = None) -> None:
+    """``[onecard] offload_layers`` against the preset, the checkpointing and the ranks (before any work; again with
+    ``checkpoint_layers``, the resolved count, once ``"auto"`` is planned).
+
+    Raises:
+        UserError: more offloaded layers than the checkpointed ones (or than the preset's layers), offloaded layers
+            with ``mode = "none"``, or with FSDP2 (several ranks, or a master dtype other than the compute dtype);
+            each names the fix.
+    """
+    k = cfg.onecard.offload_layers
+    if not k:
+        return
+    layers = get_preset(preset_name).transformer["num_hidden_layers"]
+    where = f"{cfg.source}: [onecard].offload_layers = {k}"
+    if cfg.model.activation_checkpointing.mode == "none":
+        raise UserError(f"{where} with [model.activation_checkpointing] mode = \"none\": the offloaded layers are "
+                        "taken from the checkpointed ones; set mode = \"selective\" (or \"full\") or drop offload_layers")
+    given = cfg.onecard.checkpoint_layers
+    n = checkpoint_layers if checkpoint_layers is not None else (given if isinstance(given, int) else layers)
+    if k > n:
+        raise UserError(f"{where} is above the {n} checkpointed decoder layers (preset {preset_name}, "
+                        f"[onecard] checkpoint_layers = {given!r}): use at most {n}")
+    if world_size > 1 or mixed:
+        raise UserError(f"{where} needs one rank with the parameters stored in the compute dtype (no FSDP2): run "
+                        "one process with fsdp_master_dtype equal to the precision, or drop offload_layers")
+
+
 def resolve_checkpoint_layers(cfg: SFTConfig, preset_name: str, flags: dict[str, bool], budget: int | None, *,
                               world_size: int = 1, device_type: str = "cuda", cap: int | None = None) -> int:
     """``[onecard] checkpoint_layers`` as a number of decoder layers: ``"all"`` is every layer, a number itself,
-    ``"auto"`` the fewest whose ledger fits ``budget - AUTO_HEADROOM`` bytes (reserved peak, :meth:`Ledger.fits`);
+    ``"auto"`` the fewest (at least ``[onecard] offload_layers``, which are taken from them) whose ledger fits
+    ``budget - AUTO_HEADROOM`` bytes (reserved peak, :meth:`Ledger.fits`);
     every layer when none fits, on a CPU or without a budget, and with ``mode = "none"`` (nothing checkpointed).
 
     Raises:
@@ -347,7 +390,7 @@ def resolve_checkpoint_layers(cfg: SFTConfig, preset_name: str, flags: dict[str,
         return value
     if value == "all" or device_type != "cuda" or not budget or cfg.model.activation_checkpointing.mode == "none":
         return layers
-    for n in range(layers + 1):  # fewer checkpointed layers: faster, more memory; the first that fits
+    for n in range(cfg.onecard.offload_layers, layers + 1):  # fewer: faster, more memory; the first that fits
         if cosmos_ledger(cfg, preset_name, flags, world_size, device_type, cap,
                          checkpoint_layers=n).fits(budget - AUTO_HEADROOM):
             return n

@@ -65,7 +65,9 @@ from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
 from cosmos_framework_ext.levers.text_stream import check_text_stream, detach_text_stream, is_detached
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
-from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, cosmos_ledger, resolve_checkpoint_layers,
+from cosmos_framework_ext.levers.activation_offload import offload_activations
+from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, check_offload_layers, cosmos_ledger,
+                                                offload_reserve_bytes, resolve_checkpoint_layers,
                                                  summary_line)
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
 from cosmos_framework_ext.recipe.loss import grad_clip, micro_batch_loss, packed_flow_matching_inputs, warmup_cosine
@@ -408,6 +410,7 @@ class CosmosSFT(skeleton.Recipe):
         self._check_preset()
         self._check_honoured()
         check_checkpoint_layers(self.cfg, self.preset.name)  # before the dataset and the model ("auto": the plan)
+        check_offload_layers(self.cfg, self.preset.name, self.world, self.mixed)
         self._check_paths()
         self._resolve_schedule()
         job = self.cfg.job
@@ -548,6 +551,7 @@ class CosmosSFT(skeleton.Recipe):
         budget = gpu_budget_bytes(dev) if dev.type == "cuda" else None
         self.checkpoint_layers = resolve_checkpoint_layers(self.cfg, self.preset.name, self.flags, budget,
                                                            world_size=self.world, device_type=dev.type, cap=self.cap)
+        check_offload_layers(self.cfg, self.preset.name, self.world, self.mixed, self.checkpoint_layers)
         self.ledger = cosmos_ledger(self.cfg, self.preset.name, self.flags, world_size=self.world,
                                     device_type=dev.type, cap=self.cap, grad_accum_iter=self.ga,
                                     checkpoint_layers=self.checkpoint_layers)
@@ -562,10 +566,12 @@ class CosmosSFT(skeleton.Recipe):
               flush=True)
         ac = self.cfg.model.activation_checkpointing
         layers = self.preset.transformer["num_hidden_layers"]
-        if ac.mode != "none" and self.checkpoint_layers < layers:
-            print(f"onecard: {self.checkpoint_layers} of {layers} decoder layers activation-checkpointed ({ac.mode}), the "
-                  f"other {layers - self.checkpoint_layers} keep their activations ([onecard] checkpoint_layers = "
-                  f"{self.cfg.onecard.checkpoint_layers!r})", flush=True)
+        k = self.cfg.onecard.offload_layers
+        if ac.mode != "none" and (self.checkpoint_layers < layers or k):
+            print(f"onecard: {self.checkpoint_layers - k} of {layers} decoder layers activation-checkpointed ({ac.mode}), "
+                  f"the other {layers - self.checkpoint_layers + k} keep their activations ([onecard] checkpoint_layers "
+                  f"= {self.cfg.onecard.checkpoint_layers!r})"
+                  + (f", on the host for the first {k} ([onecard] offload_layers = {k})" if k else ""), flush=True)
         print(self.ledger.format(budget), flush=True)
 
     # ------------------------------------------------------------ 2. the stock recipe
@@ -634,17 +640,24 @@ class CosmosSFT(skeleton.Recipe):
         self.n_total = sum(p.numel() for p in model.parameters())
         self.n_train = sum(p.numel() for n, p in model.named_parameters() if n in tset)
         ac = cfg.model.activation_checkpointing
-        some = self.checkpoint_layers < len(model.layers)  # lever: the other layers keep their activations
+        offloaded = cfg.onecard.offload_layers if ac.mode != "none" else 0
+        some = self.checkpoint_layers < len(model.layers) or offloaded  # lever: layers that keep their activations
         if ac.mode == "full" and not some:
             model.enable_gradient_checkpointing()
         elif ac.mode != "none":  # lever: the ops save_ops_regex names kept, the rest recomputed (before compile)
             apply_selective_checkpointing(model, ac.save_ops_regex if ac.mode == "selective" else None,
-                                          preserve_rng_state=ac.preserve_rng_state,
-                                          determinism_check=ac.determinism_check, layers=self.checkpoint_layers)
+                                          preserve_rng_state=ac.preserve_rng_state, determinism_check=ac.determinism_check,
+                                          layers=self.checkpoint_layers, skip=offloaded)
         self.host_tables = park_lookup_tables(model, device) if cfg.onecard.host_embeddings else None
         self.proc = attention.install(model)
         if cfg.onecard.detach_text_stream:  # lever: no backward through the frozen text stream
             detach_text_stream(model)
+        self.act_offload = None
+        if offloaded:  # lever: the first layers' activations on the host; copies back from the last checkpointed one's backward
+            trigger = max(self.checkpoint_layers - 1, offloaded) if offloaded < len(model.layers) else None
+            reserve = offload_reserve_bytes(self.cap - 1, self.preset.transformer["hidden_size"]) if (
+                device.type == "cuda") else 0  # pinned once, before training (the ledger's host line)
+            self.act_offload = offload_activations(model, offloaded, trigger=trigger, reserve=reserve)
         model.train()
         self.compile_note = "eager"
         cpp = cfg.onecard.compile_wrapper == "cpp"
@@ -1060,6 +1073,10 @@ class CosmosSFT(skeleton.Recipe):
             host_inputs_built=dict(self.inputs_built),
             host_tables=None if self.host_tables is None else {"names": self.host_tables.names,
                                                                "host_bytes": self.host_tables.host_bytes},
+            offload=None if self.act_offload is None else {
+                "layers": len(self.act_offload.offloaded), "host_bytes": self.act_offload.host_bytes,
+                "tensors_per_micro_batch": self.act_offload.moved[0],
+                "bytes_per_micro_batch": self.act_offload.moved[1]},
         )
 
     def _ema_summary(self) -> dict[str, Any] | None:
