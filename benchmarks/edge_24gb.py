@@ -645,6 +645,16 @@ def _main(argv: list[str] | None) -> int:
     if args.checkpoint_layers is not None:
         args.checkpoint_layers = checkpoint_layers_arg(args.checkpoint_layers, "tiny" if args.smoke else "edge",
                                                        [c.name for c in every if c.name in only + profiles + probes])
+    offloading = [c.name for c in every if c.offload_layers and c.name in only + profiles + probes]
+    layers_given = args.checkpoint_layers if args.checkpoint_layers is not None else ""
+    if offloading and re.fullmatch(r"[0-9]{1,4}", layers_given):
+        k = args.offload_layers or (1 if args.smoke else OFFLOADED_LAYERS)
+        n = int(layers_given)
+        if k > n:
+            fix = f"--offload-layers {n} or less, or " if n else ""
+            raise UserError(f"the row {offloading[0]!r} would offload {k} of the {n} layers --checkpoint-layers "
+                            f"{layers_given} checkpoints (offloaded layers are taken from the checkpointed ones): pass "
+                            f"{fix}--checkpoint-layers {k} or more")
     if args.offload_layers is not None:
         from cosmos_framework_ext.recipe.presets import get_preset
 

@@ -83,7 +83,13 @@ OFFLOADED = "all levers + optimizer-state streaming + selective AC + fewer check
     "+ activations offloaded"
 EDGE_24GB_BAD += [(["--smoke", "--only", OFFLOADED, "--offload-layers", bad], "--offload-layers")
                   for bad in ("0", "-1", "2.5", "x", "", "29", "3")]  # 3: above the smoke's tiny preset (2 layers)
-EDGE_24GB_BAD += [(["--smoke", "--only", FEWER, "--offload-layers", "1"], "--offload-layers")]  # no row reads it
+EDGE_24GB_BAD += [(["--smoke", "--only", FEWER, "--offload-layers", "1"], "--offload-layers"),  # no row reads it
+                  # more offloaded than checkpointed layers: before any row runs (the smoke offloads 1 by default)
+                  (["--smoke", "--only", f"{FEWER},{OFFLOADED}", "--checkpoint-layers", "0"], "--checkpoint-layers"),
+                  (["--smoke", "--only", OFFLOADED, "--offload-layers", "2", "--checkpoint-layers", "1"],
+                   "--offload-layers 1 or less"),
+                  (["--smoke", "--only", FEWER, "--profile", OFFLOADED, "--checkpoint-layers", "1", "--offload-layers",
+                    "2"], "--offload-layers")]
 
 
 def test_edge_24gb_checkpoint_layers_values(scripts):

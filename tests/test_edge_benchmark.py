@@ -117,4 +117,5 @@ def test_smoke_offloaded_row(bench, tmp_path, edge_smoke_env):
     stem = result_stem("cosmos", "edge24gb", "cpu", smoke=True)
     row, = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
     assert row["status"] == "ok" and row["checkpoint_layers"] == 2 and row["offload"]["layers"] == 1  # the smoke: 1
+    assert row["offload"]["tensors_per_micro_batch"] > 0 and row["offload"]["bytes_per_micro_batch"] > 0  # copies ran
     assert "| 1 + 1 offloaded |" in (tmp_path / f"{stem}.md").read_text()

@@ -601,6 +601,9 @@ def _main(argv: list[str] | None = None) -> int:
         if cfg.onecard.detach_text_stream and not DETACH_TEXT_STREAM.value(os.environ):
             print(f"onecard: {args[1]} sets [onecard] detach_text_stream = true, which upstream's trainer does not read: "
                   f"set {DETACH_TEXT_STREAM.name}=1 to detach the frozen text stream there too", file=sys.stderr)
+        if cfg.onecard.offload_layers:
+            print(f"onecard: {args[1]} sets [onecard] offload_layers = {cfg.onecard.offload_layers}, which only the embedded "
+                  "trainer runs: upstream's trainer recomputes those layers as its checkpointing says", file=sys.stderr)
 
     return cli(run)
 

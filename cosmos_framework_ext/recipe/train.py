@@ -65,7 +65,7 @@ from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
 from cosmos_framework_ext.levers.text_stream import check_text_stream, detach_text_stream, is_detached
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
-from cosmos_framework_ext.levers.activation_offload import offload_activations
+from cosmos_framework_ext.levers.activation_offload import MIN_BYTES, offload_activations
 from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, check_offload_layers, cosmos_ledger,
                                                 offload_reserve_bytes, resolve_checkpoint_layers,
                                                  summary_line)
@@ -551,7 +551,7 @@ class CosmosSFT(skeleton.Recipe):
         budget = gpu_budget_bytes(dev) if dev.type == "cuda" else None
         self.checkpoint_layers = resolve_checkpoint_layers(self.cfg, self.preset.name, self.flags, budget,
                                                            world_size=self.world, device_type=dev.type, cap=self.cap)
-        check_offload_layers(self.cfg, self.preset.name, self.world, self.mixed, self.checkpoint_layers)
+        # the ledger re-checks offload_layers against the resolved count (check_offload_layers)
         self.ledger = cosmos_ledger(self.cfg, self.preset.name, self.flags, world_size=self.world,
                                     device_type=dev.type, cap=self.cap, grad_accum_iter=self.ga,
                                     checkpoint_layers=self.checkpoint_layers)
@@ -657,7 +657,8 @@ class CosmosSFT(skeleton.Recipe):
             trigger = max(self.checkpoint_layers - 1, offloaded) if offloaded < len(model.layers) else None
             reserve = offload_reserve_bytes(self.cap - 1, self.preset.transformer["hidden_size"]) if (
                 device.type == "cuda") else 0  # pinned once, before training (the ledger's host line)
-            self.act_offload = offload_activations(model, offloaded, trigger=trigger, reserve=reserve)
+            self.act_offload = offload_activations(  # on a CPU every saved tensor moves: the smoke runs the copies
+                model, offloaded, trigger=trigger, reserve=reserve, min_bytes=MIN_BYTES if device.type == "cuda" else 0)
         model.train()
         self.compile_note = "eager"
         cpp = cfg.onecard.compile_wrapper == "cpp"

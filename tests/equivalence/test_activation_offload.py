@@ -334,3 +334,21 @@ def test_the_trainer_refuses_more_than_the_checkpointed_layers(env):  # noqa: F8
     recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(path)]))
     with pytest.raises(UserError, match="offload_layers = 2 is above the 1 checkpointed decoder layers"):
         recipe.preflight()
+
+
+def test_the_upstream_toml_copy_says_upstream_does_not_offload(tmp_path, capsys):
+    from pathlib import Path
+
+    from cosmos_framework_ext.recipe import config
+
+    text = (Path(__file__).resolve().parents[2] / "toml" / "vision_sft_edge_24gb.toml").read_text()
+    src = tmp_path / "r.toml"
+    src.write_text(text.replace("[onecard]\n", "[onecard]\noffload_layers = 4\n", 1) if "[onecard]\n" in text
+                   else text + "\n[onecard]\noffload_layers = 4\n")
+    assert config._main(["upstream-toml", str(src), str(tmp_path / "a.toml")]) == 0
+    err = capsys.readouterr().err
+    assert "offload_layers = 4, which only the embedded trainer runs" in err
+    assert "offload_layers" not in (tmp_path / "a.toml").read_text()
+    assert config._main(["upstream-toml", str(Path(__file__).resolve().parents[2] / "toml" / "vision_sft_edge_24gb.toml"),
+                         str(tmp_path / "b.toml")]) == 0
+    assert "offload_layers" not in capsys.readouterr().err
