@@ -177,8 +177,8 @@ TWELVE_GB_CAP_GIB = 11.0
 SELECTIVE_OPS = ["fmha", "flex_attention", "scaled_dot_product"]
 """``save_ops_regex`` of the selective rows: upstream's default plus the embedded trainer's attention ops."""
 OFFLOADED_LAYERS = 4
-"""``[onecard] offload_layers`` of the offloaded row: at 0.71 GB a layer each way and about 55 GB/s, four layers'
-copies to the host take about as long as the forward of the layers after them on an H100."""
+"""``[onecard] offload_layers`` of the offloaded row: at 0.57 GB a layer each way (measured) and about 55 GB/s, four
+layers' copies to the host take about as long as the forward of the layers after them on an H100 (six outlast it)."""
 OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
            attention=ATTENTION_FLEX, compile=True, selective=True),
@@ -357,6 +357,35 @@ def layers_cell(row: dict) -> str:
     if n is None:
         return "–"
     return f"{n - off} + {off} offloaded" if off else str(n)
+
+
+def offload_layers_check(offload: int | None, checkpoint_layers: str | None, preset: str, running: list[str]) -> None:
+    """``--offload-layers`` (``offload``, already a whole number) checked before any row runs: at most the preset's
+    decoder layers, only with an offloaded row among ``running`` (the names of every row the run runs), and, for
+    those rows, not more layers (``offload``, else the row's :data:`OFFLOADED_LAYERS`, 1 in the tiny preset's smoke)
+    than a numeric ``checkpoint_layers`` (``--checkpoint-layers``, as :func:`checkpoint_layers_arg` returned it).
+
+    Raises:
+        UserError: any of these (one line naming the fix).
+    """
+    from cosmos_framework_ext.recipe.presets import get_preset
+
+    layers = get_preset(preset).transformer["num_hidden_layers"]
+    offloading = [c.name for c in OPTIONAL + CONFIGS if c.offload_layers and c.name in running]
+    if offload is not None:
+        if offload > layers:
+            raise UserError(f"--offload-layers {offload} is above the {layers} decoder layers of the {preset} preset: "
+                            f"pass 1 to {layers} (at most the row's checkpointed layers)")
+        if not offloading:
+            raise UserError("--offload-layers applies only to the rows named '... activations offloaded' (--list shows "
+                            "them): add one to --only (or --profile, --queue-depth), or drop --offload-layers")
+    if offloading and checkpoint_layers is not None and checkpoint_layers.isdigit():
+        k, n = offload or (1 if preset == "tiny" else OFFLOADED_LAYERS), int(checkpoint_layers)
+        if k > n:
+            fix = f"--offload-layers {n} or less, or " if n else ""
+            more = f"--checkpoint-layers {k} or more" if k <= layers else "fewer offloaded layers"
+            raise UserError(f"the row {offloading[0]!r} would offload {k} of the {n} layers --checkpoint-layers {n} "
+                            f"checkpoints (offloaded layers are taken from the checkpointed ones): pass {fix}{more}")
 
 
 def checkpoint_layers_arg(value: str, preset: str, only: list[str]) -> str:
@@ -645,29 +674,8 @@ def _main(argv: list[str] | None) -> int:
     if args.checkpoint_layers is not None:
         args.checkpoint_layers = checkpoint_layers_arg(args.checkpoint_layers, "tiny" if args.smoke else "edge",
                                                        [c.name for c in every if c.name in only + profiles + probes])
-    offloading = [c.name for c in every if c.offload_layers and c.name in only + profiles + probes]
-    layers_given = args.checkpoint_layers if args.checkpoint_layers is not None else ""
-    if offloading and re.fullmatch(r"[0-9]{1,4}", layers_given):
-        k = args.offload_layers or (1 if args.smoke else OFFLOADED_LAYERS)
-        n = int(layers_given)
-        if k > n:
-            fix = f"--offload-layers {n} or less, or " if n else ""
-            raise UserError(f"the row {offloading[0]!r} would offload {k} of the {n} layers --checkpoint-layers "
-                            f"{layers_given} checkpoints (offloaded layers are taken from the checkpointed ones): pass "
-                            f"{fix}--checkpoint-layers {k} or more")
-    if args.offload_layers is not None:
-        from cosmos_framework_ext.recipe.presets import get_preset
-
-        preset = "tiny" if args.smoke else "edge"
-        layers = get_preset(preset).transformer["num_hidden_layers"]
-        if args.offload_layers > layers:
-            raise UserError(f"--offload-layers {args.offload_layers} is above the {layers} decoder layers of the {preset} "
-                            f"preset: pass 1 to {layers} (at most the row's checkpointed layers)")
-        readers = [c.name for c in every if c.offload_layers]
-        if not any(c in readers for c in only + profiles + probes):
-            raise UserError(f"--offload-layers applies only to the {len(readers)} rows named '... activations "
-                            "offloaded' (--list shows them): add one to --only (or --profile, --queue-depth), or drop "
-                            "--offload-layers")
+    offload_layers_check(args.offload_layers, args.checkpoint_layers, "tiny" if args.smoke else "edge",
+                         [c.name for c in every if c.name in only + profiles + probes])
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
     writable_dir("--out", args.out)
     # <date>_cosmos_<gpu>_edge24gb, a smoke's ending in -smoke: a smoke never replaces the GPU results

@@ -5,15 +5,17 @@ keeps every activation its backward needs, as an uncheckpointed layer does, but 
 forward pass each saved tensor of such a layer is copied to the host on a side stream (device to host) and its GPU
 memory is released once the copy is done; in the backward pass the layer's tensors are copied back (host to device,
 another side stream) before the backward reaches it. The GPU runs each of these layers once instead of twice (no
-recompute), for the same GPU memory at the step's peak as a checkpointed layer; the price is the PCIe traffic
-(about 0.71 GB each way per edge-preset layer at cap 12288, 13 ms at 55 GB/s) and the pinned host memory.
+recompute), for the same GPU memory at the forward's peak as a checkpointed layer once its copies are done; the price is the PCIe traffic (0.57 GB
+each way per edge-preset layer for a near-cap micro-batch, measured; about 10 ms at 55 GB/s) and the pinned host
+memory (the trainer reserves the ledger's bound, 0.71 GiB a layer at cap 12288).
 
 Why the first layers: their copies to the host overlap the forward of every later layer, and their copies back the
 backward of every checkpointed layer after them (the backward runs last to first). The copies back start when the
 backward reaches the last checkpointed layer (:attr:`ActivationOffload.trigger`), once the uncheckpointed layers'
 activations have been freed, so the tensors coming back take the GPU memory those released.
 
-Exact by construction: the same ops run on the same inputs as in an uncheckpointed layer, and the backward reads
+Exact by construction, given the stream order of :class:`ActivationOffload`: the same ops run on the same inputs as in
+an uncheckpointed layer, and the backward reads
 bitwise copies of the values the forward saved (the same shape, strides and dtype). Only where they waited changes.
 ``tests/equivalence/test_activation_offload.py`` proves the loss and every gradient ``torch.equal`` to the same
 layers left on the GPU, anchored to every layer checkpointed (CPU, fp32, packed micro-batches, eager and compiled with
@@ -51,13 +53,14 @@ ROUND_BYTES = 16 << 20
 _MARK = "_onecard_activation_offload"
 
 
-class _Away:
-    """One saved tensor while it lives on the host (the value the pack hook returns)."""
+class _OffloadedTensor:
+    """One saved tensor while it lives on the host (the value the pack hook returns to autograd)."""
 
-    __slots__ = ("layer", "host", "shape", "dtype", "device", "back")
+    __slots__ = ("layer", "step", "host", "shape", "dtype", "device", "back")
 
-    def __init__(self, layer: int, host: torch.Tensor, shape: torch.Size, dtype: torch.dtype, device: torch.device):
-        self.layer, self.host, self.shape, self.dtype, self.device = layer, host, shape, dtype, device
+    def __init__(self, layer: int, step: int, host: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+                 device: torch.device):
+        self.layer, self.step, self.host, self.shape, self.dtype, self.device = layer, step, host, shape, dtype, device
         self.back: torch.Tensor | None = None  # the tensor on its device again, once copied back
 
 
@@ -117,8 +120,25 @@ class _Chunks:
 class ActivationOffload:
     """Keeps the saved tensors of the decoder layers ``layers`` in pinned host memory between forward and backward.
 
+    Contract: one backward per forward pass, before the next forward pass (the trainer's micro-batch). Each
+    :meth:`begin` starts a pass and reuses the host chunks; unpacking a tensor of an earlier pass (a graph kept with
+    ``retain_graph`` or backwarded after a later forward) raises ``RuntimeError`` instead of reading reused bytes.
+
+    Stream order on CUDA (every copy is asynchronous to the host):
+
+    - a tensor's copy to the host runs on the device-to-host stream after everything queued on the current stream
+      when it is saved (so after the kernel that wrote it), and after the previous pass's copies back from the same
+      layer's chunk; its GPU memory returns to the allocator once that copy is done (``record_stream``);
+    - a layer's copies back run on the host-to-device stream after its copies to the host and after everything queued
+      on the current stream when they are started (so the destinations, allocated there from memory the backward
+      freed, are no longer in use); the current stream waits for them before the first of the layer's tensors is read.
+
+    :meth:`pack` runs on the thread that runs the forward, :meth:`unpack`, :meth:`fetch` and the trigger's hook on
+    autograd's backward thread. A fetched tensor stays on the GPU until autograd frees its graph node.
+
     Args:
-        model: the model whose parameters and buffers stay where they are (never copied).
+        model: the model whose parameters and buffers stay where they are (never copied; their storages are looked up
+            at each :meth:`begin`).
         layers: indices of the offloaded decoder layers (forward order).
         trigger: index of the layer whose backward starts the copies back (every offloaded layer's, highest first);
             ``None`` or an offloaded layer's own backward: each layer's copies start when its backward first reads one.
@@ -142,20 +162,28 @@ class ActivationOffload:
         self._chunks = {i: _Chunks(f"offloaded layer {i}") for i in self.offloaded}
         for c in self._chunks.values():
             c.reserve(reserve, pin=torch.cuda.is_available())
-        self._saved: dict[int, list[_Away]] = {i: [] for i in self.offloaded}
+        self._saved: dict[int, list[_OffloadedTensor]] = {i: [] for i in self.offloaded}
         self._kept: set[int] = set()
         self._layer: int | None = None
-        self._fresh: set[int] = set()
-        self._ready: dict[int, Any] = {}
-        self._read_done: dict[int, Any] = {}
+        self._step = 0  # the forward pass (begin() counts them)
+        self._first_pack: set[int] = set()  # layers whose copy stream has not yet waited for last pass's read back
+        self._copied: dict[int, Any] = {}  # layer -> event after its last copy to the host (CUDA)
+        self._ready: dict[int, Any] = {}  # layer -> event after its copies back, until the backward first waits
+        self._read_done: dict[int, Any] = {}  # layer -> event after its last copies back (the chunk is free again)
         self._d2h = self._h2d = None
 
     # -- the pass ----------------------------------------------------------------------------------------------
     def begin(self) -> None:
-        """Start a forward pass: rewind every layer's chunks, note where the parameters live."""
+        """Start a forward pass: rewind every layer's chunks (a chunk replaced only once its copies are done), note
+        where the parameters and buffers live."""
+        self._step += 1
         self._kept = {t.untyped_storage().data_ptr() for t in self.model.parameters()}
         self._kept |= {t.untyped_storage().data_ptr() for t in self.model.buffers()}
         for i in self.offloaded:
+            if len(self._chunks[i].arenas) > 1:  # rewind() replaces them: let their copies finish first
+                for ev in (self._copied.get(i), self._read_done.get(i)):
+                    if ev is not None:
+                        ev.synchronize()
             self._chunks[i].rewind()
             self._saved[i] = []  # a pass whose backward never ran leaves its tensors to autograd's graph
         self._ready.clear()
@@ -165,7 +193,7 @@ class ActivationOffload:
     def layer(self, index: int) -> Iterator[None]:
         """Run one offloaded layer's forward: its saved tensors go through :meth:`pack` / :meth:`unpack`."""
         self._layer = index
-        self._fresh.add(index)
+        self._first_pack.add(index)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
@@ -184,10 +212,8 @@ class ActivationOffload:
                 or t.untyped_storage().data_ptr() in self._kept)
 
     def pack(self, t: torch.Tensor) -> Any:
-        """Saved-tensor pack hook: ``t`` itself when it stays (see the module doc), else a copy on its way to the host.
-
-        On CUDA the copy runs on the device-to-host stream after the work queued so far, and ``t``'s memory returns
-        to the allocator once that copy is done (``record_stream``)."""
+        """Saved-tensor pack hook: ``t`` itself when it stays (see the module doc), else a :class:`_OffloadedTensor`
+        whose copy is on its way to the host (stream order: the class doc)."""
         i = self._layer
         if i is None or self._stays(t):
             return t
@@ -198,17 +224,20 @@ class ActivationOffload:
             if cuda:
                 if self._d2h is None:
                     self._d2h, self._h2d = torch.cuda.Stream(t.device), torch.cuda.Stream(t.device)
-                if i in self._fresh:  # once per layer and pass: after its compute, and after last pass's read back
-                    self._fresh.discard(i)
-                    self._d2h.wait_stream(torch.cuda.current_stream(t.device))
+                self._d2h.wait_stream(torch.cuda.current_stream(t.device))  # after the kernel that wrote t
+                if i in self._first_pack:  # once per layer and pass: the chunk's last read back is done
+                    self._first_pack.discard(i)
                     if i in self._read_done:
                         self._d2h.wait_event(self._read_done[i])
                 with torch.cuda.stream(self._d2h):
                     host.copy_(t, non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record(self._d2h)
+                self._copied[i] = copied
                 t.record_stream(self._d2h)
             else:
                 host.copy_(t)
-        away = _Away(i, host, t.shape, t.dtype, t.device)
+        away = _OffloadedTensor(i, self._step, host, t.shape, t.dtype, t.device)
         self._saved.setdefault(i, []).append(away)
         n, b = self.moved
         self.moved = (n + 1, b + nbytes)
@@ -216,9 +245,17 @@ class ActivationOffload:
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the tensor on its device again (its layer's copies back started if not yet, and
-        the current stream made to wait for them)."""
-        if not isinstance(packed, _Away):
+        the current stream made to wait for them).
+
+        Raises:
+            RuntimeError: ``packed`` belongs to an earlier forward pass (its host bytes were reused since).
+        """
+        if not isinstance(packed, _OffloadedTensor):
             return packed
+        if packed.step != self._step:
+            raise RuntimeError(f"an offloaded activation of forward pass {packed.step} was read in pass {self._step}: "
+                               "offloaded layers allow one backward per forward pass, before the next forward "
+                               "([onecard] offload_layers = 0 for retain_graph or several forwards per backward)")
         if packed.back is None:
             self.fetch(packed.layer)
         ev = self._ready.pop(packed.layer, None)
@@ -227,11 +264,8 @@ class ActivationOffload:
         return packed.back
 
     def fetch(self, index: int) -> None:
-        """Copy layer ``index``'s saved tensors back to their device (no-op when already done).
-
-        On CUDA the destinations are allocated on the current stream (reusing memory the backward has freed), the
-        host-to-device stream waits for the work queued so far and copies, and :meth:`unpack` makes the current
-        stream wait for those copies."""
+        """Copy layer ``index``'s saved tensors of this pass back to their device (no-op when already done; stream
+        order: the class doc)."""
         todo = [a for a in self._saved.pop(index, ()) if a.back is None]  # from here on only autograd holds them
         if not todo:
             return
@@ -243,12 +277,15 @@ class ActivationOffload:
                     a.back.copy_(a.host)
                 return
             cur = torch.cuda.current_stream(todo[0].device)
-            self._h2d.wait_stream(cur)
+            self._h2d.wait_stream(cur)  # the destinations' memory is free on the GPU
+            self._h2d.wait_event(self._copied[index])  # the host bytes are written
             with torch.cuda.stream(self._h2d):
                 for a in todo:
                     a.back.copy_(a.host, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self._h2d)
+            for a in todo:  # freed unread (a backward that stops early): reused only after the copy
+                a.back.record_stream(self._h2d)
             self._ready[index] = ready
             self._read_done[index] = ready  # the next pass's copies to the host wait for this read
 
@@ -271,6 +308,8 @@ class _Caller:
             return self.layer(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "layer":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.layer, name)
 
 
@@ -296,6 +335,8 @@ class _Trigger:
         return out
 
     def __getattr__(self, name: str) -> Any:
+        if name == "layer":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self.layer, name)
 
 
@@ -321,14 +362,16 @@ def offload_activations(model: torch.nn.Module, layers: int, trigger: int | None
 
     Args:
         layers: how many decoder layers, from the first; 0 installs nothing and returns an offloader with none.
-        trigger: the layer whose backward starts the copies back (default: the layer after the offloaded ones,
-            i.e. no lead; the trainer passes the last checkpointed layer).
+        trigger: the layer whose backward starts the copies back of every offloaded layer (default ``None``: each
+            layer's copies start at its own backward, no lead; the trainer passes the last checkpointed layer). All of
+            them land on the GPU then: the ledger prices those the freed uncheckpointed layers do not make room for.
         min_bytes, reserve: see :class:`ActivationOffload`.
 
     Raises:
         TypeError: ``model`` has no ``layers``/``_run_decoder_stack`` (not a Cosmos3 transformer).
-        ValueError: ``layers`` or ``trigger`` outside the decoder layers, the model already offloads, or its
-            decoder stack checkpoints every layer itself (diffusers' ``gradient_checkpointing``).
+        ValueError: ``layers`` or ``trigger`` outside the decoder layers, the model already offloads, an offloaded
+            layer is checkpointed (its ``forward`` wrapped), or the decoder stack checkpoints every layer itself
+            (diffusers' ``gradient_checkpointing``).
     """
     if not isinstance(getattr(model, "layers", None), torch.nn.ModuleList) or not callable(
             getattr(model, "_run_decoder_stack", None)):
@@ -341,6 +384,10 @@ def offload_activations(model: torch.nn.Module, layers: int, trigger: int | None
         raise ValueError(f"trigger layer {trigger} must be in [0, {n - 1}]")
     if getattr(model, _MARK, None) is not None:
         raise ValueError("the model's activations are already offloaded")
+    wrapped = [i for i in range(layers) if "forward" in vars(model.layers[i])]
+    if wrapped:
+        raise ValueError(f"decoder layer {wrapped[0]} is checkpointed (its forward is wrapped): offload the layers "
+                         "apply_selective_checkpointing(..., skip=n) leaves out")
     if layers and getattr(model, "gradient_checkpointing", False):
         raise ValueError("the decoder stack checkpoints every layer itself (diffusers' gradient_checkpointing): "
                          "offloaded layers must not be checkpointed")

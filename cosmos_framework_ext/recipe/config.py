@@ -323,7 +323,7 @@ class OnecardConfig:
     activations in pinned host memory until their backward: copied to the host in the forward pass, back in the
     backward pass, on their own CUDA streams (cosmos_framework_ext.levers.activation_offload; the same gradients,
     proof tests/equivalence/test_activation_offload.py). Each saves its recompute for PCIe traffic and pinned host
-    memory (about 0.67 GiB per edge-preset layer at cap 12288). 0 (default): none. At most the checkpointed layers
+    memory (0.71 GiB reserved per edge-preset layer at cap 12288). 0 (default): none. At most the checkpointed layers
     (``checkpoint_layers``); one rank, parameters stored in the compute dtype (no FSDP2)."""
     host_embeddings: bool = False
     """Keep the frozen text-token embedding (``embed_tokens``, a lookup) and ``lm_head`` (which the diffusion

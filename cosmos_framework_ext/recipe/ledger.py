@@ -144,6 +144,13 @@ def _activation_items(cfg: SFTConfig, c: dict[str, Any], tokens: int, b: int, de
         items.append(Item("offloaded layers' activations", 0, host, pinned=device_type == "cuda",
                           note=f"{offloaded} of the {ckpt_layers} checkpointed layers keep every activation on the "
                           "host instead ([onecard] offload_layers; fitted per layer as uncheckpointed)"))
+        # they all come back when the backward reaches the last checkpointed layer: by then the uncheckpointed layers
+        # have freed theirs; the ones they leave no room for are priced as uncheckpointed
+        back = max(0, offloaded - (c["layers"] - ckpt_layers))
+        if back:
+            items.append(Item("offloaded layers copied back early", *on_gpu(
+                int(ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN * tokens * c["hidden"]) * back),
+                note=f"{back} offloaded layers back on the GPU before as many uncheckpointed layers freed theirs"))
     return items, ckpt_layers
 
 

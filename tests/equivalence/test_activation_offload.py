@@ -19,6 +19,8 @@ inductor.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -68,12 +70,12 @@ def test_what_moves_and_when(trigger, before):
 
     def spy_pack(t):
         out = pack(t)
-        if isinstance(out, ao._Away):
+        if isinstance(out, ao._OffloadedTensor):
             packed.append(t.untyped_storage().data_ptr())
         return out
 
     def spy_unpack(p):
-        if isinstance(p, ao._Away) and "unpack" not in stages:
+        if isinstance(p, ao._OffloadedTensor) and "unpack" not in stages:
             stages.append("unpack")
         return unpack(p)
 
@@ -112,10 +114,19 @@ def test_pack_keeps_parameters_and_buffers_where_they_are():
     assert off.pack(model.table) is model.table and off.pack(weight) is weight
     alias = weight.detach()  # another tensor on the parameter's storage (what a compiled graph saves)
     assert off.pack(alias) is alias
-    assert isinstance(off.pack(torch.ones(64, 64)), ao._Away) and off.moved[0] == 1
+    assert isinstance(off.pack(torch.ones(64, 64)), ao._OffloadedTensor) and off.moved[0] == 1
     off._layer = None
     t = torch.ones(64, 64)
     assert off.pack(t) is t  # outside an offloaded layer's call
+
+
+def test_a_graph_of_an_earlier_pass_is_refused():
+    model, off = _model(1)
+    samples = R.micro_batch(0, 0, n_samples=2)
+    old = R.loss_of(model, samples)
+    R.loss_of(model, samples)  # a second forward before the first backward: its chunk bytes reused
+    with pytest.raises(RuntimeError, match="one backward per forward pass"):
+        old.backward()
 
 
 def test_small_tensors_stay():
@@ -195,10 +206,74 @@ def test_bad_arguments():
     full.enable_gradient_checkpointing()
     with pytest.raises(ValueError, match="gradient_checkpointing"):
         ao.offload_activations(full, 1)
+    wrapped, _ = R.make_model()
+    apply_selective_checkpointing(wrapped, ATTENTION_OPS, layers=2)
+    with pytest.raises(ValueError, match="decoder layer 0 is checkpointed"):
+        ao.offload_activations(wrapped, 1)
+    caller = ao._Caller.__new__(ao._Caller)  # no layer yet (copy, pickle): an AttributeError, not a recursion
+    with pytest.raises(AttributeError):
+        caller.anything
     model, _ = R.make_model()
     with pytest.raises(ValueError, match=r"offloaded layers 3 must be in \[0, 2\]"):
         apply_selective_checkpointing(model, ATTENTION_OPS, layers=2, skip=3)
     assert apply_selective_checkpointing(model, ATTENTION_OPS, layers=2, skip=1) == 1
+
+
+class _SavesAtTheEnd(torch.autograd.Function):
+    """``relu(x @ w)`` saving ``x``, ``w`` and the output once its forward is done, as a compiled layer does."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        y = torch.relu(x @ w)
+        ctx.save_for_backward(x, w, y)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w, y = ctx.saved_tensors
+        gy = gy * (y > 0)
+        return gy @ w.t(), x.t() @ gy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("layers", ["eager", "saved-at-the-end"])
+def test_cuda_stream_order_with_the_gpu_behind(layers):
+    """The stream order under load: the GPU runs far behind the host (a queue of large matmuls before each pass),
+    the saved tensors are large (256 MiB), two offloaded "layers", each fetched at its own backward (no lead), three
+    passes through the same chunks. A copy to the host that does not wait for the kernel that wrote its tensor (eager:
+    tensors saved while their kernels are queued), or a copy back that does not wait for the copy to the host, gives
+    other gradients; equal to the run without offloading, ``torch.equal``."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n, dev = 8192, "cuda"
+    g = torch.Generator(dev).manual_seed(0)
+    model = torch.nn.Module()
+    model.w1 = torch.nn.Parameter(torch.randn(n, n, device=dev, generator=g) / 90)
+    model.w2 = torch.nn.Parameter(torch.randn(n, n, device=dev, generator=g) / 90)
+    busy = torch.randn(n, n, device=dev, generator=g) / 90
+    first = (lambda x: torch.relu(x @ model.w1)) if layers == "eager" else (lambda x: _SavesAtTheEnd.apply(x, model.w1))
+
+    def step(off, x):
+        model.zero_grad(set_to_none=True)
+        for _ in range(8):
+            busy @ busy  # the GPU behind the host, as in training
+        if off is not None:
+            off.begin()
+        with off.layer(0) if off is not None else contextlib.nullcontext():
+            y = first(x)
+        with off.layer(1) if off is not None else contextlib.nullcontext():
+            z = (y @ model.w2) * y
+        z.square().mean().backward()
+        return model.w1.grad.clone(), model.w2.grad.clone()
+
+    off = ao.ActivationOffload(model, [0, 1], min_bytes=0, reserve=3 * n * n * 4 + 4096)
+    for i in range(3):
+        x = torch.randn(n, n, device=dev, generator=g)
+        want = step(None, x)
+        got = step(off, x)
+        torch.cuda.synchronize()
+        worst = max(((a - b).abs().max() / a.abs().max()).item() for a, b in zip(want, got))
+        print(f"offload stream order {layers} pass {i}: moved {off.moved[0]} tensors, worst rel {worst:.2e}")
+        assert off.moved[0] >= 3 and all(torch.equal(a, b) for a, b in zip(want, got))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -279,6 +354,14 @@ def test_the_ledger_prices_the_host_chunks():
     assert off.gpu_allocated == plain.gpu_allocated  # on the GPU: priced as checkpointed
     assert off.host_bytes == plain.host_bytes + line.host_bytes and off.pinned_bytes == plain.pinned_bytes + line.host_bytes
     assert "offloaded layers' activations" not in {i.name for i in plain.items}
+    # all offloaded layers come back at the last checkpointed layer's backward: beyond the uncheckpointed layers'
+    # room, priced on the GPU (4 offloaded, 2 uncheckpointed layers: 2 priced as uncheckpointed)
+    early = lambda led: next((i.gpu_bytes for i in led.items if i.name == "offloaded layers copied back early"), 0)  # noqa: E731
+    assert early(off) == 0
+    tight = cosmos_ledger(_cfg(4), "edge", FLAGS, cap=12288, checkpoint_layers=26)
+    assert early(tight) == 2 * offload_reserve_bytes(12287, 2048)
+    assert tight.gpu_allocated == cosmos_ledger(_cfg(0), "edge", FLAGS, cap=12288, checkpoint_layers=26).gpu_allocated \
+        + early(tight)
     # "auto" counts the offloaded layers among the checkpointed ones: never fewer than them
     assert resolve_checkpoint_layers(_cfg(6), "edge", FLAGS, 1000 * GiB) == 6
     assert resolve_checkpoint_layers(_cfg(0), "edge", FLAGS, 1000 * GiB) == 0
