@@ -96,7 +96,8 @@ class _Chunks:
         self.at, self.used = (0, 0), 0
 
     def carve(self, nbytes: int, pin: bool) -> torch.Tensor:
-        """``nbytes`` uint8 from the chunks (a new chunk of at least :data:`CHUNK_BYTES` when none has room)."""
+        """``nbytes`` uint8 from the chunks (a new chunk of at least :data:`CHUNK_BYTES` when none has room); the view
+        is valid until the next :meth:`rewind` (which may replace the chunks)."""
         self.pin = pin
         i, off = self.at
         while i < len(self.arenas):
@@ -341,7 +342,11 @@ class _Trigger:
 
 
 class _Layers(torch.nn.ModuleList):
-    """``model.layers`` whose iteration, inside the decoder stack's call only, yields the offloading callers."""
+    """``model.layers`` whose iteration, inside the decoder stack's call only, yields the offloading callers.
+
+    Indexing, ``len``, ``state_dict``, ``named_modules`` and FSDP go through ``_modules`` and see the layers
+    themselves. Another thread that iterates ``model.layers`` while the decoder stack runs would get the callers (not
+    ``nn.Module``\ s); nothing in this repository does."""
 
     _onecard_callers: dict[int, Any] | None = None
 

@@ -408,15 +408,10 @@ def test_the_trainer_refuses_more_than_auto_resolved(env, monkeypatch):  # noqa:
 
 
 def test_the_trainer_refuses_more_than_the_checkpointed_layers(env):  # noqa: F811
-    from cosmos_framework_ext.recipe import train
-    from patches.core.errors import UserError
-    from tests.test_train import small_toml
+    from tests.equivalence.test_checkpoint_layers import trainer_refuses
 
-    path = small_toml(env)
-    path.write_text(path.read_text().replace("[onecard]\n", "[onecard]\ncheckpoint_layers = 1\noffload_layers = 2\n", 1))
-    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(path)]))
-    with pytest.raises(UserError, match="offload_layers = 2 is above the 1 checkpointed decoder layers"):
-        recipe.preflight()
+    trainer_refuses(env, "checkpoint_layers = 1\noffload_layers = 2",
+                    "offload_layers = 2 is above the 1 checkpointed decoder layers")
 
 
 def test_the_upstream_toml_copy_says_upstream_does_not_offload(tmp_path, capsys):

@@ -261,16 +261,22 @@ def test_the_ledger_command_resolves_auto(tmp_path, capsys, monkeypatch):
     assert 0 < n < 28 and f"{28 - n} of 28 layers keep every activation" in out
 
 
-def test_the_trainer_refuses_too_many_layers(env):  # noqa: F811
+def trainer_refuses(env, onecard: str, needle: str) -> None:  # noqa: F811
+    """The trainer's preflight of the small recipe with ``onecard`` lines added to ``[onecard]`` raises a
+    ``UserError`` matching ``needle``."""
     from cosmos_framework_ext.recipe import train
     from patches.core.errors import UserError
     from tests.test_train import small_toml
 
     path = small_toml(env)
-    path.write_text(path.read_text().replace("[onecard]\n", "[onecard]\ncheckpoint_layers = 3\n", 1))
+    path.write_text(path.read_text().replace("[onecard]\n", f"[onecard]\n{onecard}\n", 1))
     recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(path)]))
-    with pytest.raises(UserError, match="checkpoint_layers = 3 is above the 2 decoder layers"):
+    with pytest.raises(UserError, match=needle):
         recipe.preflight()
+
+
+def test_the_trainer_refuses_too_many_layers(env):  # noqa: F811
+    trainer_refuses(env, "checkpoint_layers = 3", "checkpoint_layers = 3 is above the 2 decoder layers")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the device machine)")
