@@ -92,7 +92,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchmarks.checks import (H100_H200_DENSE_BF16_TFLOPS, at_least, at_most_card, free_targets, pick, positive, writable_dir,  # noqa: E402
+from benchmarks.checks import (H100_H200_DENSE_BF16_TFLOPS, at_least, at_most_card, folder_arg, free_targets, pick, positive, writable_dir,  # noqa: E402
                                write_together)
 from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
 from patches.core.flags import is_whole_number  # noqa: E402
@@ -640,7 +640,7 @@ def _parser() -> ArgumentParser:
     ap.add_argument("--micro-batches", type=int, default=2, help="accumulated micro-batches per optimizer step")
     ap.add_argument("--lora-rank", type=int, default=64)
     ap.add_argument("--timeout-s", type=float, default=900.0, help="per configuration")
-    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; with --smoke "
+    ap.add_argument("--out", type=folder_arg, default=None, help="results folder (default benchmarks/results; with --smoke "
                     f"outputs/h3_1gpu_smoke; with --print-commands the parent of one folder per command, default "
                     f"{RUNS_DIR})")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny preset, one tiny clip, every mode")
@@ -750,7 +750,8 @@ def _main(argv: list[str] | None) -> int:
         print("\n".join(gpu_commands(modes, clips, a.probe_largest, a, a.out or RUNS_DIR)))
         return 0
     # a smoke run's results are not results: they go under the ignored outputs/, not next to the committed ones
-    out = writable_dir("--out", a.out or (HERE.parent / "outputs" / "h3_1gpu_smoke" if a.smoke else HERE / "results"))
+    out = writable_dir("--out", a.out if a.out is not None else (
+        HERE.parent / "outputs" / "h3_1gpu_smoke" if a.smoke else HERE / "results"))  # "" refused, not the default
     free_targets("--out", out, ("h3_1gpu.json", "h3_1gpu.md"))
     if not a.smoke:
         import torch

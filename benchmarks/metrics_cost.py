@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.checks import at_least, free_targets, result_stem, write_together, writable_dir  # noqa: E402
+from benchmarks.checks import at_least, folder_arg, free_targets, result_stem, write_together, writable_dir  # noqa: E402
 from patches.core.errors import ArgumentParser, cli  # noqa: E402
 from patches.core.trainer import Recipe  # noqa: E402
 
@@ -62,7 +62,7 @@ def _stats(seconds: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=2000, help="optimizer steps to log (default 2000)")
-    ap.add_argument("--out", default="benchmarks/results", help="folder for the result files")
+    ap.add_argument("--out", type=folder_arg, default="benchmarks/results", help="folder for the result files")
     args = ap.parse_args(argv)
     at_least("--steps", args.steps, 1)
     out = writable_dir("--out", args.out)

@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.checks import at_least, free_targets, result_stem, write_together, writable_dir  # noqa: E402
+from benchmarks.checks import at_least, folder_arg, free_targets, result_stem, write_together, writable_dir  # noqa: E402
 from patches.core.errors import ArgumentParser, UserError, cli  # noqa: E402
 
 MODES = {"pieces": None, "whole": 2**40}
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
                     "smaller preset's)")
     ap.add_argument("--preset", choices=("edge", "tiny"), default="edge", help="model size (tiny: tests; default edge)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the weights live (default cpu)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="results folder")
+    ap.add_argument("--out", type=folder_arg, default=str(ROOT / "benchmarks" / "results"), help="results folder")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)  # one measurement, here
     args = ap.parse_args(argv)
     from cosmos_framework_ext.recipe.presets import get_preset

@@ -205,6 +205,18 @@ def test_flex_kernels_out_that_is_a_file_or_empty_and_no_gpu(scripts, tmp_path, 
 
 
 @pytest.mark.parametrize("name", ["edge_24gb", "edge_exact", "h3_1gpu"])
+def test_an_empty_out_is_refused(scripts, tmp_path, capfd, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    try:
+        rc = scripts[name].main(["--smoke", "--out", ""])
+    except SystemExit as e:  # argparse's type check
+        rc = e.code
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2 and "--out" in err[-1] and "empty" in err[-1], err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["edge_24gb", "edge_exact", "h3_1gpu"])
 def test_out_that_is_a_file_is_refused_before_any_run(scripts, tmp_path, capfd, name):
     (tmp_path / "file").write_text("keep")
     for out in (tmp_path / "file", tmp_path / "file" / "below"):
@@ -230,6 +242,17 @@ def test_command_line_prints_one_line_and_no_traceback(tmp_path, script, args):
     assert out.returncode == 2 and out.stdout == "", out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith("error: "), out.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("script", ["benchmarks/metrics_cost.py", "benchmarks/save_host.py", "benchmarks/h3_1gpu.py"])
+@pytest.mark.parametrize("out", ["", " "])
+def test_a_blank_out_is_one_line_not_the_current_folder(tmp_path, script, out):
+    res = subprocess.run([sys.executable, str(REPO / script), "--out", out], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--out" in lines[0] and "empty" in lines[0], lines
+    assert not list(tmp_path.iterdir())
 
 
 def test_h3_merge_of_a_broken_result_is_one_line_and_writes_nothing(scripts, tmp_path, capfd):
