@@ -179,6 +179,8 @@ SELECTIVE_OPS = ["fmha", "flex_attention", "scaled_dot_product"]
 OFFLOADED_LAYERS = 4
 """``[onecard] offload_layers`` of the offloaded row: at 0.57 GB a layer each way (measured) and about 55 GB/s, four
 layers' copies to the host take about as long as the forward of the layers after them on an H100 (six outlast it)."""
+SMOKE_OFFLOADED_LAYERS = 1
+"""``[onecard] offload_layers`` of the offloaded rows in ``--smoke`` (the tiny preset has 2 decoder layers)."""
 OPTIONAL = [
     Config("all levers + optimizer-state streaming + selective AC", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
            attention=ATTENTION_FLEX, compile=True, selective=True),
@@ -362,7 +364,7 @@ def layers_cell(row: dict) -> str:
 def offload_layers_check(offload: int | None, checkpoint_layers: str | None, preset: str, running: list[str]) -> None:
     """``--offload-layers`` (``offload``, already a whole number) checked before any row runs: at most the preset's
     decoder layers, only with an offloaded row among ``running`` (the names of every row the run runs), and, for
-    those rows, not more layers (``offload``, else the row's :data:`OFFLOADED_LAYERS`, 1 in the tiny preset's smoke)
+    those rows, not more layers (``offload``, else :data:`OFFLOADED_LAYERS`, :data:`SMOKE_OFFLOADED_LAYERS` in the smoke)
     than a numeric ``checkpoint_layers`` (``--checkpoint-layers``, as :func:`checkpoint_layers_arg` returned it).
 
     Raises:
@@ -380,7 +382,7 @@ def offload_layers_check(offload: int | None, checkpoint_layers: str | None, pre
             raise UserError("--offload-layers applies only to the rows named '... activations offloaded' (--list shows "
                             "them): add one to --only (or --profile, --queue-depth), or drop --offload-layers")
     if offloading and checkpoint_layers is not None and checkpoint_layers.isdigit():
-        k, n = offload or (1 if preset == "tiny" else OFFLOADED_LAYERS), int(checkpoint_layers)
+        k, n = offload or (SMOKE_OFFLOADED_LAYERS if preset == "tiny" else OFFLOADED_LAYERS), int(checkpoint_layers)
         if k > n:
             fix = f"--offload-layers {n} or less, or " if n else ""
             more = f"--checkpoint-layers {k} or more" if k <= layers else "fewer offloaded layers"
@@ -471,9 +473,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         return row
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    # the CPU smoke's tiny preset has 2 decoder layers: it offloads 1
     toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp, args.checkpoint_layers or "",
-                       args.offload_layers or (1 if args.smoke else None))
+                       args.offload_layers or (SMOKE_OFFLOADED_LAYERS if args.smoke else None))
     # the final checkpoint is written (and deleted after the row): the row's host peak is through a save
     recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--max-iter", str(args.steps)]))
     if cfg.inputs_on_main_thread:
@@ -671,11 +672,10 @@ def _main(argv: list[str] | None) -> int:
     at_least("--grad-accum", args.grad_accum, 1 if args.smoke else 8,
              "micro-batches per optimizer step" if args.smoke else "the GPU run; any >= 1 with --smoke")
     positive("--budget-gib", args.budget_gib, "GiB")
+    preset, running = "tiny" if args.smoke else "edge", [c.name for c in every if c.name in only + profiles + probes]
     if args.checkpoint_layers is not None:
-        args.checkpoint_layers = checkpoint_layers_arg(args.checkpoint_layers, "tiny" if args.smoke else "edge",
-                                                       [c.name for c in every if c.name in only + profiles + probes])
-    offload_layers_check(args.offload_layers, args.checkpoint_layers, "tiny" if args.smoke else "edge",
-                         [c.name for c in every if c.name in only + profiles + probes])
+        args.checkpoint_layers = checkpoint_layers_arg(args.checkpoint_layers, preset, running)
+    offload_layers_check(args.offload_layers, args.checkpoint_layers, preset, running)
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
     writable_dir("--out", args.out)
     # <date>_cosmos_<gpu>_edge24gb, a smoke's ending in -smoke: a smoke never replaces the GPU results

@@ -110,9 +110,10 @@ def _counts_of(preset_name: str, keys: tuple[str, ...]) -> dict[str, int]:
 
 
 def offload_reserve_bytes(tokens: int, hidden: int) -> int:
-    """Host bytes an offloaded decoder layer holds for a micro-batch of ``tokens`` tokens (at most: what an
-    uncheckpointed layer keeps on the GPU, the fitted ``ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN`` bytes per token and
-    hidden unit; the small tensors that stay on the GPU are in it too). The trainer reserves this per layer."""
+    """Bytes one uncheckpointed decoder layer keeps for a micro-batch of ``tokens`` tokens (the fitted
+    ``ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN`` bytes per token and hidden unit): the GPU line of the uncheckpointed layers,
+    and the host bytes the trainer reserves per offloaded layer (at most what it moves: the small tensors that stay
+    on the GPU are in it too)."""
     return int(ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN * tokens * hidden)
 
 
@@ -129,7 +130,7 @@ def _activation_items(cfg: SFTConfig, c: dict[str, Any], tokens: int, b: int, de
     ckpt_layers = c["layers"] if ac.mode == "none" else _checkpoint_layers(cfg, c["layers"], checkpoint_layers)
     if ac.mode == "none" or ckpt_layers < c["layers"]:
         plain = c["layers"] - ckpt_layers
-        extra = int(ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN * tokens * c["hidden"]) * plain
+        extra = offload_reserve_bytes(tokens, c["hidden"]) * plain
         items.append(Item("activations of uncheckpointed layers", *on_gpu(extra),
                           note=f"{plain} of {c['layers']} layers keep every activation ([onecard] checkpoint_layers "
                           f"{ckpt_layers}; fitted)" if ac.mode != "none" else "mode none: every layer (fitted)"))
@@ -148,8 +149,7 @@ def _activation_items(cfg: SFTConfig, c: dict[str, Any], tokens: int, b: int, de
         # have freed theirs; the ones they leave no room for are priced as uncheckpointed
         back = max(0, offloaded - (c["layers"] - ckpt_layers))
         if back:
-            items.append(Item("offloaded layers copied back early", *on_gpu(
-                int(ACT_UNCHECKPOINTED_PER_TOKEN_HIDDEN * tokens * c["hidden"]) * back),
+            items.append(Item("offloaded layers copied back early", *on_gpu(offload_reserve_bytes(tokens, c["hidden"]) * back),
                 note=f"{back} offloaded layers back on the GPU before as many uncheckpointed layers freed theirs"))
     return items, ckpt_layers
 
