@@ -119,6 +119,8 @@ ATTENTION_PLACES = (("onecard", "attention"), ("model.attention", "impl"))
 ``attn`` lever put it in ``[onecard] attention``; the issue proposed ``[model.attention] impl`` (marked option)."""
 ATTENTION_FLEX = "flex"
 """The value that selects block-sparse (flex_attention) packed attention."""
+ATTENTION_VARLEN = "varlen"
+"""The value that selects variable-length (FlashAttention-2) packed attention."""
 from benchmarks.checks import H100_H200_DENSE_BF16_TFLOPS  # noqa: E402  (the datasheet figure both benchmarks use)
 MEASURED_GEMM_TFLOPS = 776.0
 """The project's measured limits: bf16 GEMM 8192^3 on its H200, 750-776 TFLOP/s (the achievable ceiling)."""
@@ -174,7 +176,7 @@ CONFIGS = [
 ]
 TWELVE_GB_CAP_GIB = 11.0
 """The 12 GB card's cap (an RTX 3060/4070 class card's usable memory, GiB)."""
-SELECTIVE_OPS = ["fmha", "flex_attention", "scaled_dot_product"]
+SELECTIVE_OPS = ["fmha", "flex_attention", "scaled_dot_product", "flash_attention"]
 """``save_ops_regex`` of the selective rows: upstream's default plus the embedded trainer's attention ops."""
 OFFLOADED_LAYERS = 4
 """``[onecard] offload_layers`` of the offloaded row: at 0.57 GB a layer each way (measured) and about 55 GB/s, four
@@ -207,6 +209,14 @@ OPTIONAL = [
            "+ lookup tables on the host + activations offloaded", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
            attention=ATTENTION_FLEX, compile=True, selective=True, checkpoint_layers="auto", detach_text_stream=True,
            host_embeddings=True, offload_layers=OFFLOADED_LAYERS),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached "
+           "+ variable-length attention", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
+           attention=ATTENTION_VARLEN, compile=True, selective=True, checkpoint_layers="auto",
+           detach_text_stream=True),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached "
+           "+ lookup tables on the host + variable-length attention", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
+           attention=ATTENTION_VARLEN, compile=True, selective=True, checkpoint_layers="auto", detach_text_stream=True,
+           host_embeddings=True),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),

@@ -346,7 +346,7 @@ class _Layers(torch.nn.ModuleList):
 
     Indexing, ``len``, ``state_dict``, ``named_modules`` and FSDP go through ``_modules`` and see the layers
     themselves. Another thread that iterates ``model.layers`` while the decoder stack runs would get the callers (not
-    ``nn.Module``\ s); nothing in this repository does."""
+    modules); nothing in this repository does."""
 
     _onecard_callers: dict[int, Any] | None = None
 

@@ -7,7 +7,8 @@ the backward pass. ``mode = "selective"`` checkpoints the same layers with PyTor
 ``"flex_attention"``, ``"aten._scaled_dot_product_efficient_attention.default"``, ``"aten.mm.default"``) matches one
 of the regexes is ``MUST_SAVE``, every other op ``PREFER_RECOMPUTE`` (torchtitan's policy). Upstream
 cosmos-framework names its kept ops the same way (its default ``["fmha"]`` for its fused attention kernels); the
-embedded trainer's attention ops are ``flex_attention`` and ``scaled_dot_product``, so the recipes list those.
+embedded trainer's attention ops are ``flex_attention``, ``scaled_dot_product`` and (variable-length)
+``aten._flash_attention_forward``, so the recipes list those.
 
 The checkpoint is put *inside* each layer's forward, so with ``[model.compile]`` on the compiled region holds the
 checkpoint and the policy, and the partitioner sees them (the way upstream and torchtitan order AC and compile);
@@ -40,8 +41,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 __all__ = ["ATTENTION_OPS", "apply_selective_checkpointing", "kept_attention_bytes", "repeated_blocks", "save_policy"]
 
-ATTENTION_OPS = ("flex_attention", "scaled_dot_product")
-"""Regexes that match the embedded trainer's attention ops (block-sparse and dense)."""
+ATTENTION_OPS = ("flex_attention", "scaled_dot_product", "flash_attention")
+"""Regexes that match the embedded trainer's attention ops (block-sparse, dense and variable-length)."""
 
 
 def save_policy(save_ops_regex: Sequence[str]):

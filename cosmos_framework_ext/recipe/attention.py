@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from patches.core.device import to_device
 
 
-ATTENTION_IMPLS = ("dense", "flex")
-"""Values of ``[onecard].attention``: dense segment masks (the reference) or flex_attention block masks."""
+ATTENTION_IMPLS = ("dense", "flex", "varlen")
+"""Values of ``[onecard].attention``: dense segment masks (the reference), flex_attention block masks, or the
+variable-length kernels."""
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +99,7 @@ class PackedAttnProcessor:
         seg = self.segments
         all_k = torch.cat([k_und_for_gen, k_gen], dim=0)
         all_v = torch.cat([v_und, v_gen], dim=0)
-        if getattr(seg, "block_sparse", False):  # [onecard].attention = "flex": attention_blocksparse
+        if getattr(seg, "block_sparse", False) or getattr(seg, "varlen", False):  # "flex" or "varlen": the levers
             causal_out = seg.attend_und(q_und, k_und, v_und)
             full_out = seg.attend_gen(q_gen, all_k, all_v)
             return attn.to_out(causal_out), attn.to_add_out(full_out)
@@ -225,7 +226,8 @@ def build_packed_inputs(
         sigmas: fp32 [n] flow-matching sigma per sample; the timestep fed is ``1000 * sigma``.
         fps: per sample, frames per second of the clip.
         impl: ``"dense"``: :class:`PackedSegments` (boolean [L, L] masks, the reference); ``"flex"``:
-            :class:`~cosmos_framework_ext.levers.attention_blocksparse.BlockSparseSegments` (block masks, O(L) memory).
+            :class:`~cosmos_framework_ext.levers.attention_blocksparse.BlockSparseSegments` (block masks, O(L) memory);
+            ``"varlen"``: :class:`~cosmos_framework_ext.levers.attention_varlen.VarlenSegments` (sample boundaries).
         block: flex tile edge in tokens (default :data:`~cosmos_framework_ext.levers.attention_blocksparse.DEFAULT_BLOCK`).
         ids_device: where ``input_ids`` go (default ``device``; the host for ``[onecard] host_embeddings``).
         layout: :func:`host_layout` of the same ``text_ids``, latent shapes, ``sigmas`` and ``fps``, if already
@@ -235,7 +237,8 @@ def build_packed_inputs(
         (forward kwargs, segments to set on the processor).
 
     Raises:
-        ValueError: ``impl`` is neither ``"dense"`` nor ``"flex"``.
+        ValueError: ``impl`` is not one of :data:`ATTENTION_IMPLS`; for ``"varlen"``, a ``layout`` whose lengths are
+            not those of ``text_ids`` and the latents.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {list(ATTENTION_IMPLS)}")
@@ -261,6 +264,14 @@ def build_packed_inputs(
         vision_timesteps=put(layout.timesteps),
         vision_noisy_frame_indexes=[torch.arange(s[0], device=device) for s in layout.shapes],
     )
+    if impl == "varlen":  # the boundaries, from the host lengths (the segment ids are not needed)
+        from cosmos_framework_ext.levers.attention_varlen import VarlenSegments
+
+        text, vision = [len(ids) for ids in text_ids], [t * h * w for t, h, w in layout.shapes]
+        if sum(text) != und_len or sum(vision) != gen_len:
+            raise ValueError(f"the samples' lengths ({sum(text)} text, {sum(vision)} vision tokens) are not the "
+                             f"packed sequence's ({und_len}, {gen_len})")
+        return kwargs, VarlenSegments(text, vision, device)
     und_segments, gen_segments = put(layout.und_segments), put(layout.gen_segments)
     if impl == "flex":
         from cosmos_framework_ext.levers.attention_blocksparse import DEFAULT_BLOCK, BlockSparseSegments

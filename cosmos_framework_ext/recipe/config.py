@@ -293,12 +293,14 @@ class OnecardConfig:
     """CPU smoke: > 0 replaces ``[trainer].grad_accum_iter``."""
     cpu_max_sequence_length: int = dataclasses.field(default=0, metadata=meaning(ge=0))
     """CPU smoke: > 0 replaces ``[dataloader_train].max_sequence_length``."""
-    attention: Literal["dense", "flex"] = "dense"
+    attention: Literal["dense", "flex", "varlen"] = "dense"
     """Packed attention of the embedded trainer. ``dense``: boolean [L, L] segment masks with
     ``scaled_dot_product_attention`` (the reference; mask memory O(L^2), every L x L score computed). ``flex``:
     the same rule as ``torch.nn.attention.flex_attention`` block masks (mask memory O(L), tiles of other samples
     skipped; cosmos_framework_ext.levers.attention_blocksparse). Equal outputs and gradients within 1e-6 relative in
-    fp32 (tests/equivalence/test_attention_blocksparse.py)."""
+    fp32 (tests/equivalence/test_attention_blocksparse.py). ``varlen``: FlashAttention-2's variable-length kernels
+    over each sample's own tokens (cosmos_framework_ext.levers.attention_varlen; bf16/fp16 on a GPU: another kernel,
+    proved in tests/equivalence/test_attention_varlen.py)."""
     compile_blocks: bool = False
     """Whether the embedded trainer obeys ``[model.compile] enabled`` on a GPU (each decoder layer compiled, packed
     lengths dynamic: cosmos_framework_ext.levers.compile_blocks). Off by default, so that a TOML written for upstream

@@ -59,7 +59,8 @@ AUTO_HEADROOM = 2 * GiB
 """bytes ``checkpoint_layers = "auto"`` leaves free below the budget beyond the ledger's reserved peak: under a cap the
 caching allocator's reserved memory ran 1.25-1.28x the allocated peak on the H200, and a plan that reaches the cap
 makes the allocator free and retry (the 2026-12-04 row at 20 layers reserved 22.04 of 22.06 GiB)."""
-ATTENTION_OP_NAMES = ("flex_attention", "aten._scaled_dot_product_efficient_attention.default")
+ATTENTION_OP_NAMES = ("flex_attention", "aten._scaled_dot_product_efficient_attention.default",
+                      "aten._flash_attention_forward.default")
 """The embedded trainer's attention ops as the selective policy sees them: a ``save_ops_regex`` that matches one
 keeps the attention outputs (and the ledger counts them)."""
 CUDA_CONTEXT = int(0.55 * GiB)

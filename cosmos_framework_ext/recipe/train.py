@@ -64,6 +64,7 @@ from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta,
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
 from cosmos_framework_ext.levers.text_stream import check_text_stream, detach_text_stream, is_detached
+from cosmos_framework_ext.levers.attention_varlen import check_varlen
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
 from cosmos_framework_ext.levers.activation_offload import MIN_BYTES, offload_activations
 from cosmos_framework_ext.recipe.ledger import (check_checkpoint_layers, check_offload_layers, cosmos_ledger,
@@ -411,6 +412,10 @@ class CosmosSFT(skeleton.Recipe):
         self._check_honoured()
         check_checkpoint_layers(self.cfg, self.preset.name)  # before the dataset and the model ("auto": the plan)
         check_offload_layers(self.cfg, self.preset.name, self.world, self.mixed)
+        try:
+            check_varlen(self.cfg.onecard.attention, self.device.type, self.dtype)
+        except ValueError as e:
+            raise UserError(f"{self.cfg.source}: {e}") from None
         self._check_paths()
         self._resolve_schedule()
         job = self.cfg.job

@@ -236,13 +236,14 @@ class _SavesAtTheEnd(torch.autograd.Function):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("layers", ["eager", "saved-at-the-end"])
+@pytest.mark.parametrize("layers", ["eager", "saved-at-the-end", "copies-out-late"])
 def test_cuda_stream_order_with_the_gpu_behind(layers):
     """The stream order under load: the GPU runs far behind the host (a queue of large matmuls before each pass),
     the saved tensors are large (256 MiB), two offloaded "layers", each fetched at its own backward (no lead), three
     passes through the same chunks. A copy to the host that does not wait for the kernel that wrote its tensor (eager:
-    tensors saved while their kernels are queued), or a copy back that does not wait for the copy to the host, gives
-    other gradients; equal to the run without offloading, ``torch.equal``."""
+    tensors saved while their kernels are queued), or a copy back that does not wait for the copy to the host
+    (copies-out-late: the copy stream is held about 50 ms before the second layer's copies, the compute stream is
+    not), gives other gradients; equal to the run without offloading, ``torch.equal``."""
     torch.backends.cuda.matmul.allow_tf32 = False
     n, dev = 8192, "cuda"
     g = torch.Generator(dev).manual_seed(0)
@@ -250,7 +251,8 @@ def test_cuda_stream_order_with_the_gpu_behind(layers):
     model.w1 = torch.nn.Parameter(torch.randn(n, n, device=dev, generator=g) / 90)
     model.w2 = torch.nn.Parameter(torch.randn(n, n, device=dev, generator=g) / 90)
     busy = torch.randn(n, n, device=dev, generator=g) / 90
-    first = (lambda x: torch.relu(x @ model.w1)) if layers == "eager" else (lambda x: _SavesAtTheEnd.apply(x, model.w1))
+    first = ((lambda x: _SavesAtTheEnd.apply(x, model.w1)) if layers == "saved-at-the-end"
+             else (lambda x: torch.relu(x @ model.w1)))
 
     def step(off, x):
         model.zero_grad(set_to_none=True)
@@ -260,6 +262,9 @@ def test_cuda_stream_order_with_the_gpu_behind(layers):
             off.begin()
         with off.layer(0) if off is not None else contextlib.nullcontext():
             y = first(x)
+        if off is not None and layers == "copies-out-late":
+            with torch.cuda.stream(off._d2h):
+                torch.cuda._sleep(100_000_000)  # about 50 ms of clock cycles on the copy stream only
         with off.layer(1) if off is not None else contextlib.nullcontext():
             z = (y @ model.w2) * y
         z.square().mean().backward()

@@ -134,11 +134,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def attention_pair(packing, block=4, heads=4, kv_heads=2, dim=16, dtype=torch.float32, device="cpu",
-                   plant=None, backend=None, grad=True, seed=0):
-    """Dense and block-sparse attention of random q/k/v for ``packing``: {name: (dense, flex)} for the text
-    output, the vision output and every input's gradient (``grad``). ``plant(segs, und, gen)`` may corrupt the
-    block-sparse segments."""
+def random_inputs(packing, heads, kv_heads, dim, dtype, device, seed):
+    """Segment ids and seeded random attention inputs for ``packing``: (und ids, gen ids, {q_und, k_und, v_und, q_gen,
+    k_all, v_all}, (text-output weights, vision-output weights)), drawn in fp32 on the host, then cast and moved."""
     und, gen = segment_ids(packing)
     g = torch.Generator().manual_seed(seed)
     u, n = und.numel(), gen.numel()
@@ -148,20 +146,33 @@ def attention_pair(packing, block=4, heads=4, kv_heads=2, dim=16, dtype=torch.fl
 
     base = {"q_und": rnd(u, heads, dim), "k_und": rnd(u, kv_heads, dim), "v_und": rnd(u, kv_heads, dim),
             "q_gen": rnd(n, heads, dim), "k_all": rnd(u + n, kv_heads, dim), "v_all": rnd(u + n, kv_heads, dim)}
+    return und, gen, base, (rnd(u, heads * dim), rnd(n, heads * dim))  # a loss that weighs every output differently
+
+
+def dense_outputs(segs: attention.PackedSegments, x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense reference's text and vision outputs for :func:`random_inputs`' tensors ``x``."""
+    multi = not segs.single
+    sdpa = attention.PackedAttnProcessor._sdpa
+    return (sdpa(x["q_und"], x["k_und"], x["v_und"], segs.und_mask if multi else None, True),
+            sdpa(x["q_gen"], x["k_all"], x["v_all"], segs.gen_mask if multi else None, False))
+
+
+def attention_pair(packing, block=4, heads=4, kv_heads=2, dim=16, dtype=torch.float32, device="cpu",
+                   plant=None, backend=None, grad=True, seed=0):
+    """Dense and block-sparse attention of random q/k/v for ``packing``: {name: (dense, flex)} for the text
+    output, the vision output and every input's gradient (``grad``). ``plant(segs, und, gen)`` may corrupt the
+    block-sparse segments."""
+    und, gen, base, (w_und, w_gen) = random_inputs(packing, heads, kv_heads, dim, dtype, device, seed)
     dense_segs = attention.PackedSegments(und.to(device), gen.to(device))
     flex_segs = BlockSparseSegments(und.to(device), gen.to(device), block=block)
     flex_segs.backend = backend
     if plant is not None:
         plant(flex_segs, und.to(device), gen.to(device))
-    w_und, w_gen = rnd(u, heads * dim), rnd(n, heads * dim)  # a loss that weighs every output differently
     results = {}
     for impl in ("dense", "flex"):
         x = {k: v.clone().requires_grad_(grad) for k, v in base.items()}
         if impl == "dense":
-            multi = not dense_segs.single
-            sdpa = attention.PackedAttnProcessor._sdpa
-            out_und = sdpa(x["q_und"], x["k_und"], x["v_und"], dense_segs.und_mask if multi else None, True)
-            out_gen = sdpa(x["q_gen"], x["k_all"], x["v_all"], dense_segs.gen_mask if multi else None, False)
+            out_und, out_gen = dense_outputs(dense_segs, x)
         else:
             out_und = flex_segs.attend_und(x["q_und"], x["k_und"], x["v_und"])
             out_gen = flex_segs.attend_gen(x["q_gen"], x["k_all"], x["v_all"])
@@ -245,16 +256,23 @@ def step_grads(impl: str, n_samples: int = 5):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_training_step_flex_equals_dense():
+def step_equals_dense(impl: str) -> None:
+    """One training step of the tiny preset with ``impl`` attention and with ``"dense"``: the loss within 1e-6, every
+    trainable gradient within 1e-5 relative."""
     loss_d, grads_d = step_grads("dense")
-    loss_f, grads_f = step_grads("flex")
-    assert _rel(loss_f, loss_d) <= TOL
-    errors = {n: _rel(grads_f[n], grads_d[n]) for n in grads_d}
-    assert grads_d.keys() == grads_f.keys() and max(errors.values()) <= 1e-5, errors
+    loss_i, grads_i = step_grads(impl)
+    assert _rel(loss_i, loss_d) <= TOL
+    errors = {n: _rel(grads_i[n], grads_d[n]) for n in grads_d}
+    assert grads_d.keys() == grads_i.keys() and max(errors.values()) <= 1e-5, errors
 
 
-def test_embedded_trainer_flex_equals_dense(tmp_path, monkeypatch, sample_dataset, capsys):
-    """``python -m cosmos_framework_ext.recipe.train`` on the tiny preset, one optimizer step: same loss and weights."""
+def test_training_step_flex_equals_dense():
+    step_equals_dense("flex")
+
+
+def trainer_equals_dense(impl, tmp_path, monkeypatch, sample_dataset, capsys) -> None:
+    """``python -m cosmos_framework_ext.recipe.train`` on the tiny preset, one optimizer step, with ``[onecard]
+    attention = impl`` and with ``"dense"``: the same loss and weights (within 1e-5)."""
     from cosmos_framework_ext.recipe import train
     from tests.test_train import small_toml
 
@@ -262,18 +280,22 @@ def test_embedded_trainer_flex_equals_dense(tmp_path, monkeypatch, sample_datase
     for var in ("BASE_CHECKPOINT_PATH", "WAN_VAE_PATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "COSMOS_LATENT_CACHE"):
         monkeypatch.delenv(var, raising=False)
     out = {}
-    for impl in ("dense", "flex"):
-        toml = small_toml(tmp_path, **{'attention      = "flex"': f'attention      = "{impl}"'})  # the recipe's line
-        monkeypatch.setenv("OUTPUT_ROOT", str(tmp_path / impl))
+    for name in ("dense", impl):
+        toml = small_toml(tmp_path, **{'attention      = "varlen"': f'attention      = "{name}"'})  # the recipe's
+        monkeypatch.setenv("OUTPUT_ROOT", str(tmp_path / name))
         assert train.main(["--sft-toml", str(toml), "--max-iter", "1"]) == 0, capsys.readouterr().err
-        assert f"attention {impl}" in capsys.readouterr().out
-        summary = json.loads(next(Path(tmp_path / impl).rglob("summary.json")).read_text())
-        out[impl] = (summary, torch.load(summary["checkpoint"], map_location="cpu", weights_only=False))
-    (sd, cd), (sf, cf) = out["dense"], out["flex"]
-    assert sd["attention"] == "dense" and sf["attention"] == "flex"
-    assert sf["last_loss"] == pytest.approx(sd["last_loss"], rel=1e-5)
+        assert f"attention {name}" in capsys.readouterr().out
+        summary = json.loads(next(Path(tmp_path / name).rglob("summary.json")).read_text())
+        out[name] = (summary, torch.load(summary["checkpoint"], map_location="cpu", weights_only=False))
+    (sd, cd), (si, ci) = out["dense"], out[impl]
+    assert sd["attention"] == "dense" and si["attention"] == impl
+    assert si["last_loss"] == pytest.approx(sd["last_loss"], rel=1e-5)
     for k, v in cd["model"].items():
-        torch.testing.assert_close(cf["model"][k], v, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ci["model"][k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_embedded_trainer_flex_equals_dense(tmp_path, monkeypatch, sample_dataset, capsys):
+    trainer_equals_dense("flex", tmp_path, monkeypatch, sample_dataset, capsys)
 
 
 # ------------------------------------------------------------------------------------------- GPU

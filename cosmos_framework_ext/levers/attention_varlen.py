@@ -1,0 +1,158 @@
+"""Variable-length packed attention: the segment rule of :mod:`cosmos_framework_ext.recipe.attention` as
+FlashAttention-2's variable-length kernels (PyTorch's own build, ``aten._flash_attention_forward``).
+
+The block-sparse path (:mod:`cosmos_framework_ext.levers.attention_blocksparse`) computes every 128 x 128 tile that
+holds a pair of one sample's tokens, so a tile that straddles two samples costs a whole tile, and its masks are
+built for every micro-batch. A variable-length kernel takes the samples' boundaries instead (cumulative lengths,
+``cu_seqlens``) and computes each sample's own scores only:
+
+- text (understanding) queries over text keys: the samples' text runs are already contiguous in
+  ``[text_1 .. text_n]``, causal within each;
+- vision (generation) queries over ``[text_i | vision_i]``: the keys and values of ``[text_1 .. text_n |
+  vision_1 .. vision_n]`` are gathered into ``[text_1 vision_1 | text_2 vision_2 | ...]`` (one index, built on the
+  host), so that each sample's keys are one run.
+
+The same rule as the dense masks (a text token attends causally to its own sample's text, a vision token to its
+own sample's text and vision), computed by another kernel: the floating-point sums run in another order, so the
+result is not bitwise the block-sparse one. ``tests/equivalence/test_attention_varlen.py`` proves the layout (on the
+CPU, with the same rule computed per sample by ``scaled_dot_product_attention``'s math, against the dense masks) and
+the kernel (on a GPU, bf16: the variable-length kernel's error against a float64 reference no larger than the
+block-sparse kernel's).
+
+Kernels:
+
+- CUDA, bf16 or fp16: ``aten._flash_attention_forward`` with ``cum_seq_q``/``cum_seq_k`` (grouped-query heads
+  handled by the kernel; its backward is ``aten._flash_attention_backward``). The longest runs' lengths reach
+  the kernel through the shape of an empty tensor, so ``torch.compile`` treats them as sizes (dynamic), not as
+  constants to recompile for. Sizes that happen to be equal when a layer is first compiled share one symbol
+  (PyTorch's duck sizing), so a later micro-batch where they differ can cost one more compile.
+- CPU (tests, smoke runs): the same call per sample with ``scaled_dot_product_attention`` (differentiable); it
+  checks every run against the longest lengths the GPU kernel would be given, which there bound its tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from patches.core.device import to_device
+
+__all__ = ["VarlenSegments", "check_varlen", "varlen_attend"]
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+"""The compute dtypes the GPU kernel has (FlashAttention-2 has no fp32 form)."""
+
+
+def check_varlen(impl: str, device_type: str, dtype: torch.dtype) -> None:
+    """Refuse ``[onecard] attention = "varlen"`` where its kernel cannot run: a GPU run computing in fp32.
+
+    Raises:
+        ValueError: the message names the fix.
+    """
+    if impl == "varlen" and device_type == "cuda" and dtype not in KERNEL_DTYPES:
+        raise ValueError(f"[onecard] attention = \"varlen\" runs FlashAttention-2's kernels, which have no {dtype} form "
+                         "on the GPU: set [model] precision = \"bfloat16\", or attention = \"flex\"")
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """int32 [n + 1]: 0, then the running sums of ``lengths``, on ``device``."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return to_device(cu, device)
+
+
+class VarlenSegments:
+    """Sample boundaries of one packed micro-batch for the variable-length kernels, shared by every layer.
+
+    Args:
+        text_lengths: per sample, its text (understanding) tokens (``>= 1``).
+        vision_lengths: per sample, its vision (generation) tokens (``>= 1``).
+        device: where the boundary tensors go (built on the host, sent from pinned memory without a synchronize).
+
+    Attributes:
+        cu_und: int32 [n + 1], cumulative text lengths.
+        cu_gen: int32 [n + 1], cumulative vision lengths.
+        cu_kv: int32 [n + 1], cumulative ``text + vision`` lengths (the vision call's keys).
+        kv_order: int64 [und_len + gen_len], the gather from ``[text_1 .. text_n | vision_1 .. vision_n]`` to
+            ``[text_1 vision_1 | text_2 vision_2 | ...]``.
+        longest: an empty tensor of shape ``[max text, max vision, max text + vision, 0]``: the runs' longest
+            lengths as sizes.
+
+    Raises:
+        ValueError: the two lists differ in length, are empty, or hold a length below 1.
+    """
+
+    varlen = True
+    """Marks these segments for :class:`~cosmos_framework_ext.recipe.attention.PackedAttnProcessor`."""
+
+    def __init__(self, text_lengths: list[int], vision_lengths: list[int], device: torch.device | str):
+        if len(text_lengths) != len(vision_lengths) or not text_lengths:
+            raise ValueError(f"text_lengths ({len(text_lengths)}) and vision_lengths ({len(vision_lengths)}) must "
+                             "name the same samples, at least one")
+        if min(text_lengths) < 1 or min(vision_lengths) < 1:
+            raise ValueError("every sample needs at least one text and one vision token")
+        device = torch.device(device)
+        und_len = sum(text_lengths)
+        order, t0, v0 = [], 0, und_len
+        for t, v in zip(text_lengths, vision_lengths):
+            order.append(torch.arange(t0, t0 + t))
+            order.append(torch.arange(v0, v0 + v))
+            t0, v0 = t0 + t, v0 + v
+        kv_order = torch.cat(order)
+        both = [t + v for t, v in zip(text_lengths, vision_lengths)]
+        self.text_lengths, self.vision_lengths = list(text_lengths), list(vision_lengths)
+        self.cu_und = _cumulative(text_lengths, device)
+        self.cu_gen = _cumulative(vision_lengths, device)
+        self.cu_kv = _cumulative(both, device)
+        self.kv_order = to_device(kv_order, device)
+        self.longest = torch.empty(max(text_lengths), max(vision_lengths), max(both), 0, device=device)
+
+    def attend_und(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Text attention: q [und_len, H, D], k/v [und_len, Hkv, D] -> [und_len, H * D], causal per sample."""
+        m = self.longest.shape[0]
+        return varlen_attend(q, k, v, self.cu_und, self.cu_und, m, m, causal=True)
+
+    def attend_gen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Vision attention: q [gen_len, H, D], k/v [und_len + gen_len, Hkv, D] (``[text | vision]``) ->
+        [gen_len, H * D], each sample's vision over its own text and vision."""
+        k, v = k.index_select(0, self.kv_order), v.index_select(0, self.kv_order)
+        return varlen_attend(q, k, v, self.cu_gen, self.cu_kv, self.longest.shape[1], self.longest.shape[2],
+                             causal=False)
+
+
+def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                  max_q: int, max_k: int, causal: bool) -> torch.Tensor:
+    """Attention of each run ``cu_q[i]:cu_q[i+1]`` of queries over the run ``cu_k[i]:cu_k[i+1]`` of keys.
+
+    Args:
+        q: [Lq, H, D]; k, v: [Lk, Hkv, D] with ``H % Hkv == 0`` (query head ``h`` reads key head
+            ``h // (H / Hkv)``, as ``repeat_interleave`` does).
+        cu_q, cu_k: int32 [n + 1] cumulative run lengths (same ``n``).
+        max_q, max_k: the longest query and key run.
+        causal: a query attends to keys up to its own position within the run; query and key runs must then be
+            the same (the text call), where the GPU kernel's bottom-right and the CPU's top-left alignment agree.
+
+    Returns:
+        [Lq, H * D], softmax scale ``1 / sqrt(D)``.
+
+    Raises:
+        ValueError: on a GPU, a dtype other than bf16/fp16 (the kernel has no fp32 form); on the CPU, a run
+            longer than ``max_q``/``max_k``, or causal runs of other lengths.
+    """
+    if q.is_cuda:
+        if q.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"variable-length attention needs bf16 or fp16 on the GPU, not {q.dtype}")
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False)[0]
+        return out.flatten(-2, -1)
+    rep = q.shape[1] // k.shape[1]
+    outs = []
+    for i in range(cu_q.numel() - 1):
+        a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        if b - a > max_q or d - c > max_k or (causal and b - a != d - c):
+            raise ValueError(f"run {i}: {b - a} queries over {d - c} keys, against the longest {max_q} / {max_k}"
+                             f"{' (causal runs must be equal)' if causal else ''}")
+        qs, ks, vs = q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)
+        if rep > 1:
+            ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        outs.append(F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=causal)[0].transpose(0, 1))
+    return torch.cat(outs).flatten(-2, -1)
