@@ -50,7 +50,8 @@ def check_varlen(impl: str, device_type: str, dtype: torch.dtype) -> None:
         ValueError: the message names the fix.
     """
     if impl == "varlen" and device_type == "cuda" and dtype not in KERNEL_DTYPES:
-        raise ValueError(f"[onecard] attention = \"varlen\" runs FlashAttention-2's kernels, which have no {dtype} form "
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"[onecard] attention = \"varlen\" runs FlashAttention-2's kernels, which have no {name} form "
                          "on the GPU: set [model] precision = \"bfloat16\", or attention = \"flex\"")
 
 

@@ -30,6 +30,8 @@ import re
 import sys
 from typing import Any, Iterable
 
+import torch
+
 from patches.core.device import gpu_memory_cap_gib
 from patches.core.streamsave import CHUNK_BYTES
 from patches.core.errors import ArgumentParser, UserError
@@ -40,6 +42,7 @@ from patches.core.runtime import GiB
 
 from cosmos_framework_ext.recipe import config as cfgmod
 from cosmos_framework_ext.recipe.config import SFTConfig
+from cosmos_framework_ext.levers.attention_varlen import check_varlen
 from cosmos_framework_ext.levers.frozen_bf16 import check_with_ema
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings
 from cosmos_framework_ext.levers.text_stream import check_text_stream
@@ -180,7 +183,9 @@ def cosmos_ledger(
             ``"auto"``).
 
     Raises:
-        ValueError: unknown preset, or ``keys_to_select`` empty / matching nothing.
+        ValueError: unknown preset, or ``keys_to_select`` empty / matching nothing; a setting the trainer refuses
+            too (the lookup tables on the host, the detached text stream, ``attention = "varlen"`` computing in fp32
+            on a GPU).
         UserError: ``COSMOS_FROZEN_BF16=1`` with the stock device EMA (:func:`frozen_bf16.check_with_ema`), which
             the trainer refuses too.
     """
@@ -198,6 +203,7 @@ def cosmos_ledger(
     check_host_embeddings(cfg.onecard.host_embeddings, c["tables_train"], world_size, mixed)  # the trainer's too
     check_text_stream(cfg.onecard.detach_text_stream, c["tables_train"])  # the trainer's too
     check_offload_layers(cfg, preset_name, world_size, mixed, checkpoint_layers)  # the trainer's too
+    check_varlen(cfg.onecard.attention, device_type, torch.bfloat16 if bf16 else torch.float32)  # the trainer's too
     cap = cap or cfg.dataloader_train.max_sequence_length
     at = _At(c=c, b=b, mb=mb, dt="bf16" if mb == 2 else "fp32", world=world_size, cuda=device_type == "cuda",
              tables_on_host=cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed)

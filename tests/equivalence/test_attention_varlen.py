@@ -147,6 +147,22 @@ def test_fp32_on_the_gpu_refused(impl, device, dtype, refused):
         av.check_varlen(impl, device, dtype)
 
 
+@pytest.mark.parametrize("precision, device, refused", [("float32", "cuda", True), ("bfloat16", "cuda", False),
+                                                      ("float32", "cpu", False)])
+def test_the_ledger_refuses_what_the_trainer_refuses(precision, device, refused):
+    """The memory ledger (``python -m patches.ledger``, the launcher's ``DRYRUN``) runs the same check, so a recipe the
+    GPU trainer refuses is not reported as fitting."""
+    from cosmos_framework_ext.recipe import config as cfgmod
+    from cosmos_framework_ext.recipe.ledger import cosmos_ledger
+
+    cfg = cfgmod.from_dict({"model": {"precision": precision}, "onecard": {"attention": "varlen"}})
+    if refused:
+        with pytest.raises(ValueError, match='attention = "varlen".*no float32 form'):
+            cosmos_ledger(cfg, "tiny", {}, device_type=device)
+    else:
+        assert cosmos_ledger(cfg, "tiny", {}, device_type=device).gpu_allocated > 0
+
+
 def test_the_trainer_refuses_varlen_in_fp32_on_a_gpu(tmp_path, monkeypatch, sample_dataset, capsys):
     """One ``error:`` line, exit status 2, before the dataset and the model (a GPU run that computes in fp32)."""
     from cosmos_framework_ext.recipe import train
