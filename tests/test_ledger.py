@@ -107,7 +107,7 @@ def test_the_save_and_the_host_baseline_on_the_host_column():
 
 def test_selective_checkpointing_adds_the_kept_attention_outputs(tmp_path):
     text = TOML.read_text().replace('mode                = "full"', 'mode                = "selective"', 1).replace(
-        'save_ops_regex      = ["fmha"]', 'save_ops_regex      = ["fmha", "flex_attention"]', 1)
+        'save_ops_regex      = ["fmha"]', 'save_ops_regex      = ["fmha", "flash_attention"]', 1)  # the recipe's varlen
     (tmp_path / "sel.toml").write_text(text)
     sel = cosmos_ledger(cfgmod.load(tmp_path / "sel.toml"), "edge", LEVERS, device_type="cuda")
     full = cosmos_ledger(cfgmod.load(TOML), "edge", LEVERS, device_type="cuda")
@@ -137,7 +137,8 @@ def test_the_streamed_optimizer_state_is_priced_outside_the_activations(monkeypa
     from cosmos_framework_ext.recipe import ledger as L
 
     cfg = cfgmod.from_dict({"model": {"activation_checkpointing": {"mode": "selective",
-                                                                    "save_ops_regex": ["flex_attention"]}}})
+                                                                    "save_ops_regex": ["flex_attention"]}},
+                            "onecard": {"attention": "flex"}})
     flags = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_LATENT_CACHE": True}
     items = lambda led: {i.name: i for i in led.items}  # noqa: E731
     base, streamed = (L.cosmos_ledger(cfg, "edge", dict(flags, COSMOS_OPTIM_STATE_OFFLOAD=on), cap=12288)

@@ -15,9 +15,9 @@ built for every micro-batch. A variable-length kernel takes the samples' boundar
 The same rule as the dense masks (a text token attends causally to its own sample's text, a vision token to its
 own sample's text and vision), computed by another kernel: the floating-point sums run in another order, so the
 result is not bitwise the block-sparse one. ``tests/equivalence/test_attention_varlen.py`` proves the layout (on the
-CPU, with the same rule computed per sample by ``scaled_dot_product_attention``'s math, against the dense masks) and
-the kernel (on a GPU, bf16: the variable-length kernel's error against a float64 reference no larger than the
-block-sparse kernel's).
+CPU, with the same rule computed per sample by ``scaled_dot_product_attention``'s math, against the dense masks), the
+GPU branch's arguments (on the CPU, against an emulation of the operator) and the kernel (on a GPU, bf16: the
+variable-length kernel's error against a float64 reference no larger than the block-sparse kernel's).
 
 Kernels:
 
@@ -25,7 +25,8 @@ Kernels:
   handled by the kernel; its backward is ``aten._flash_attention_backward``). The longest runs' lengths reach
   the kernel through the shape of an empty tensor, so ``torch.compile`` treats them as sizes (dynamic), not as
   constants to recompile for. Sizes that happen to be equal when a layer is first compiled share one symbol
-  (PyTorch's duck sizing), so a later micro-batch where they differ can cost one more compile.
+  (PyTorch's duck sizing), so a later micro-batch where they differ could cost one more compile (counted on the CPU
+  against an emulated kernel: no recompile after the warm-up, as the other paths).
 - CPU (tests, smoke runs): the same call per sample with ``scaled_dot_product_attention`` (differentiable); it
   checks every run against the longest lengths the GPU kernel would be given, which there bound its tiles.
 """
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from patches.core.device import to_device
 
-__all__ = ["VarlenSegments", "check_varlen", "varlen_attend"]
+__all__ = ["VarlenSegments", "check_varlen", "kernel_attend", "math_attend", "varlen_attend"]
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 """The compute dtypes the GPU kernel has (FlashAttention-2 has no fp32 form)."""
@@ -143,8 +144,22 @@ def varlen_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch
     if q.is_cuda:
         if q.dtype not in KERNEL_DTYPES:
             raise ValueError(f"variable-length attention needs bf16 or fp16 on the GPU, not {q.dtype}")
-        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False)[0]
-        return out.flatten(-2, -1)
+        return kernel_attend(q, k, v, cu_q, cu_k, max_q, max_k, causal)
+    return math_attend(q, k, v, cu_q, cu_k, max_q, max_k, causal)
+
+
+def kernel_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                  max_q: int, max_k: int, causal: bool) -> torch.Tensor:
+    """:func:`varlen_attend` by ``aten._flash_attention_forward`` (the GPU's kernel; the tests run this call on the
+    CPU against an emulation of the operator)."""
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False)[0]
+    return out.flatten(-2, -1)
+
+
+def math_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                max_q: int, max_k: int, causal: bool) -> torch.Tensor:
+    """:func:`varlen_attend` one run at a time with ``scaled_dot_product_attention`` (the CPU's path; reads the
+    boundaries on the host)."""
     rep = q.shape[1] // k.shape[1]
     outs = []
     for i in range(cu_q.numel() - 1):

@@ -62,10 +62,10 @@ AUTO_HEADROOM = 2 * GiB
 """bytes ``checkpoint_layers = "auto"`` leaves free below the budget beyond the ledger's reserved peak: under a cap the
 caching allocator's reserved memory ran 1.25-1.28x the allocated peak on the H200, and a plan that reaches the cap
 makes the allocator free and retry (the 2026-12-04 row at 20 layers reserved 22.04 of 22.06 GiB)."""
-ATTENTION_OP_NAMES = ("flex_attention", "aten._scaled_dot_product_efficient_attention.default",
-                      "aten._flash_attention_forward.default")
-"""The embedded trainer's attention ops as the selective policy sees them: a ``save_ops_regex`` that matches one
-keeps the attention outputs (and the ledger counts them)."""
+ATTENTION_OP_NAMES = {"dense": "aten._scaled_dot_product_efficient_attention.default", "flex": "flex_attention",
+                      "varlen": "aten._flash_attention_forward.default"}
+"""``[onecard] attention`` -> the embedded trainer's attention op on the GPU as the selective policy sees it: a
+``save_ops_regex`` that matches the run's op keeps the attention outputs (and the ledger counts them)."""
 CUDA_CONTEXT = int(0.55 * GiB)
 """bytes: CUDA context + cuBLAS/cuDNN workspaces outside the caching allocator (typical on Hopper)."""
 OPTIM_GROUP_BYTES = 256 << 20
@@ -138,8 +138,8 @@ def _activation_items(cfg: SFTConfig, c: dict[str, Any], tokens: int, b: int, de
         items.append(Item("activations of uncheckpointed layers", *on_gpu(extra),
                           note=f"{plain} of {c['layers']} layers keep every activation ([onecard] checkpoint_layers "
                           f"{ckpt_layers}; fitted)" if ac.mode != "none" else "mode none: every layer (fitted)"))
-    if ac.mode == "selective" and ckpt_layers and any(re.search(p, op) for p in ac.save_ops_regex
-                                                      for op in ATTENTION_OP_NAMES):
+    op = ATTENTION_OP_NAMES[cfg.onecard.attention]
+    if ac.mode == "selective" and ckpt_layers and any(re.search(p, op) for p in ac.save_ops_regex):
         kept = kept_attention_bytes(tokens, ckpt_layers, c["heads"], c["head_dim"], b)
         items.append(Item("kept attention outputs (selective AC)", *on_gpu(kept),
                           note=f"{ckpt_layers} layers x {tokens:,} tokens x {c['heads']} heads x (head_dim {c['head_dim']} + lse)"))

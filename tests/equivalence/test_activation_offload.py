@@ -306,7 +306,7 @@ def _cfg(offload, layers="auto", mode: str = "selective"):
 
     return cfgmod.from_dict({"model": {"activation_checkpointing": {"mode": mode,
                                                                       "save_ops_regex": ["flex_attention"]}},
-                             "onecard": {"checkpoint_layers": layers, "offload_layers": offload}})
+                             "onecard": {"checkpoint_layers": layers, "offload_layers": offload, "attention": "flex"}})
 
 
 FLAGS = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True, "COSMOS_LATENT_CACHE": True,

@@ -9,6 +9,9 @@ gather that puts each sample's keys in one run. Proofs:
   for packed micro-batches of 1, 2 and 8 samples (single text and vision tokens included), grouped-query heads and
   plain ones; the gather and boundaries against a per-sample loop; a training step of the tiny preset and a run of
   the embedded trainer (loss and weights after an optimizer step) the same as with ``dense``.
+- **The GPU branch, on the CPU** (:class:`EmulatedFlashKernel`: the operator with FlashAttention-2's stated
+  conventions): its arguments give the dense outputs and gradients; compiled, selectively checkpointed layers train
+  as the uncompiled model, run the kernel once per call and do not recompile after the warm-up.
 - **The kernel, on a GPU** (marked ``cuda``): FlashAttention-2's variable-length kernel in bf16 at the recipe's
   shapes (16 query heads over 8 key heads, head_dim 128), its outputs and gradients against a float64 reference: no
   further from it than the block-sparse kernel (the path it replaces) plus 1e-3, and within 2e-2; the tiny preset
@@ -189,7 +192,24 @@ def test_the_flash_kernel_is_a_kept_attention_op():
     op = torch.ops.aten._flash_attention_forward.default
     assert save_policy(ATTENTION_OPS)(None, op) == CheckpointPolicy.MUST_SAVE
     assert save_policy(["fmha"])(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
-    assert str(op) in ATTENTION_OP_NAMES
+    assert ATTENTION_OP_NAMES["varlen"] == str(op)
+
+
+@pytest.mark.parametrize("attention, regex, kept", [("varlen", ["flash_attention"], True),
+                                                    ("varlen", ["flex_attention"], False),
+                                                    ("flex", ["flash_attention"], False),
+                                                    ("flex", ["flex_attention"], True),
+                                                    ("dense", ["scaled_dot_product"], True)])
+def test_the_ledger_counts_the_kept_outputs_of_the_runs_own_op(attention, regex, kept):
+    """The ledger's "kept attention outputs" line follows the attention op the run calls: a regex that names another
+    path's op keeps nothing."""
+    from cosmos_framework_ext.recipe import config as cfgmod
+    from cosmos_framework_ext.recipe.ledger import cosmos_ledger
+
+    cfg = cfgmod.from_dict({"model": {"activation_checkpointing": {"mode": "selective", "save_ops_regex": regex}},
+                            "onecard": {"attention": attention}})
+    names = [i.name for i in cosmos_ledger(cfg, "tiny", {}).items]
+    assert ("kept attention outputs (selective AC)" in names) == kept, names
 
 
 # ---------------------------------------------------------------------- a training step, the trainer
@@ -200,6 +220,111 @@ def test_training_step_varlen_equals_dense():
 def test_embedded_trainer_varlen_equals_dense(tmp_path, monkeypatch, sample_dataset, capsys):
     """The embedded trainer, one optimizer step: the same loss and weights as with ``dense``."""
     trainer_equals_dense("varlen", tmp_path, monkeypatch, sample_dataset, capsys)
+
+
+# --------------------------------------------------------- the GPU branch on the CPU, against an emulated kernel
+class EmulatedFlashKernel:
+    """CPU implementations of ``aten._flash_attention_forward`` / ``_backward`` (variable-length form) with
+    FlashAttention-2's conventions as its documentation states them: query head ``h`` reads key head
+    ``h // (H / Hkv)``, scale ``1 / sqrt(D)``, causal bottom-right aligned, the log-sum-exp ``[H, total_q]`` fp32, and
+    only the first ``max_q`` queries / ``max_k`` keys of a run computed (here: a run longer than them raises, as
+    the tiles it would skip are a wrong result). It lets the CPU run the GPU branch (:func:`kernel_attend`) inside
+    compiled layers; it says nothing about the real kernel's numerics (the ``cuda`` tests do)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.lib = torch.library.Library("aten", "IMPL")
+        self.lib.impl("_flash_attention_forward", self.forward, "CPU")
+        self.lib.impl("_flash_attention_backward", self.backward, "CPU")
+
+    @staticmethod
+    def _run(q, k, v, cu_q, cu_k, max_q, max_k, causal, i):
+        """Run ``i``: (its bounds, per-head fp32 q, k, v with the key heads repeated, the softmax P)."""
+        rep = q.shape[1] // k.shape[1]
+        a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        assert b - a <= max_q and d - c <= max_k, f"run {i} ({b - a}, {d - c}) past the kernel's bounds"
+        qs = q[a:b].transpose(0, 1).float()
+        ks = k[c:d].transpose(0, 1).float().repeat_interleave(rep, 0)
+        vs = v[c:d].transpose(0, 1).float().repeat_interleave(rep, 0)
+        scores = qs @ ks.transpose(1, 2) / q.shape[-1] ** 0.5
+        if causal:  # bottom-right: query j of m sees keys up to j + (n - m)
+            m, n = b - a, d - c
+            scores = scores.masked_fill(torch.ones(m, n, dtype=torch.bool).triu(n - m + 1), float("-inf"))
+        return (a, b, c, d), qs, ks, vs, scores
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
+                window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
+                num_splits=None):
+        self.calls += 1
+        out, lse = torch.empty_like(q), torch.empty(q.shape[1], q.shape[0])
+        for i in range(cu_q.numel() - 1):
+            (a, b, _, _), _, _, vs, scores = self._run(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, i)
+            out[a:b] = (scores.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+            lse[:, a:b] = torch.logsumexp(scores, -1)
+        return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0, dtype=torch.uint64), torch.empty(0)
+
+    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng_state,
+                 unused, *, scale=None, window_size_left=None, window_size_right=None):
+        """The attention backward by hand (inside a kernel autograd does not record): dV = P^T dO, dS = P (dO V^T -
+        rowsum(dO O)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D); repeated key heads summed back."""
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        rep, root = q.shape[1] // k.shape[1], q.shape[-1] ** 0.5
+        for i in range(cu_q.numel() - 1):
+            (a, b, c, d), qs, ks, vs, scores = self._run(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, i)
+            p = scores.softmax(-1)
+            go, o = grad_out[a:b].transpose(0, 1).float(), out[a:b].transpose(0, 1).float()
+            ds = p * (go @ vs.transpose(1, 2) - (go * o).sum(-1, keepdim=True))
+            dq[a:b] = (ds @ ks / root).transpose(0, 1).to(q.dtype)
+            fold = lambda t: t.unflatten(0, (k.shape[1], rep)).sum(1).transpose(0, 1)  # noqa: E731
+            dk[c:d] = fold(ds.transpose(1, 2) @ qs / root).to(k.dtype)
+            dv[c:d] = fold(p.transpose(1, 2) @ go).to(v.dtype)
+        return dq, dk, dv
+
+
+@pytest.fixture()
+def kernel_on_the_cpu(monkeypatch):
+    """The GPU branch (:func:`kernel_attend`) on the CPU, against :class:`EmulatedFlashKernel`."""
+    emulated = EmulatedFlashKernel()
+    monkeypatch.setattr(av, "varlen_attend", lambda q, k, v, cu_q, cu_k, max_q, max_k, causal:
+                        av.kernel_attend(q, k, v, cu_q, cu_k, max_q, max_k, causal))
+    yield emulated
+    emulated.lib._destroy()
+
+
+@pytest.mark.parametrize("name", PACKINGS)
+def test_the_kernel_branch_matches_dense(name, kernel_on_the_cpu):
+    """The GPU branch's arguments (boundaries, bounds from the empty tensor's sizes, causal flags, the gather) give
+    the dense masks' outputs and gradients under the emulated kernel, grouped-query heads and plain ones."""
+    for heads, kv_heads in ((4, 2), (8, 2), (4, 4)):
+        pairs = varlen_pair(PACKINGS[name], heads=heads, kv_heads=kv_heads)
+        errors = {k: _rel(b, a) for k, (a, b) in pairs.items()}
+        assert max(errors.values()) <= TOL, (heads, kv_heads, errors)
+    assert kernel_on_the_cpu.calls > 0
+
+
+def test_compiled_layers_keep_the_kernel_output_and_do_not_recompile(kernel_on_the_cpu):
+    """The tiny preset's layers compiled as the recipe compiles them (``compile_dynamic = true``; Dynamo with the
+    eager backend here) and selectively checkpointed with the kernel's op kept: the same losses and gradients as the
+    uncompiled model, the kernel run once per attention call (not again in the backward), and new micro-batch
+    lengths compile nothing after the warm-up."""
+    from cosmos_framework_ext.levers.compile_blocks import compile_blocks
+    from cosmos_framework_ext.levers.selective_ac import ATTENTION_OPS, apply_selective_checkpointing
+    from tests.equivalence.test_compile_blocks import SAMPLES, compile_count, lengths_do_not_recompile
+
+    torch._dynamo.reset()
+    model, _ = R.make_model()
+    eager, _ = R.make_model()
+    apply_selective_checkpointing(model, list(ATTENTION_OPS))
+    compile_blocks(model, dynamic=True, backend="eager")
+    counts = []
+    for n in SAMPLES:
+        before, calls = compile_count(), kernel_on_the_cpu.calls
+        loss, grads = R.packed_step(model, R.micro_batch(n, 0, n_samples=n), "varlen")
+        counts.append(compile_count() - before)
+        assert kernel_on_the_cpu.calls - calls == 2 * len(model.layers)  # text and vision calls, forward only
+        loss_e, grads_e = R.packed_step(eager, R.micro_batch(n, 0, n_samples=n), "varlen")
+        assert _rel(loss, loss_e) <= TOL and max(_rel(g, ge) for g, ge in zip(grads, grads_e)) <= 1e-5
+    assert counts[0] > 0 and lengths_do_not_recompile(counts), counts
 
 
 # ------------------------------------------------------------------------------- GPU (``cuda``: skipped without one)

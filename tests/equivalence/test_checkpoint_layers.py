@@ -121,7 +121,7 @@ def _cfg(mode: str = "selective", layers="auto"):
 
     return cfgmod.from_dict({"model": {"activation_checkpointing": {"mode": mode,
                                                                       "save_ops_regex": ["flex_attention"]}},
-                             "onecard": {"checkpoint_layers": layers}})
+                             "onecard": {"checkpoint_layers": layers, "attention": "flex"}})
 
 
 FLAGS = {"COSMOS_EMA_CPU_SUBSET": True, "COSMOS_VAE_CPU_OFFLOAD": True, "COSMOS_LATENT_CACHE": True,
