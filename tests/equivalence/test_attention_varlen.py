@@ -108,9 +108,9 @@ def test_a_layout_of_other_samples_refused():
     model, _ = R.make_model()
     lat = [s[1] for s in samples]
     sig, fps = torch.tensor([s[2] for s in samples]), [24.0] * 3
-    layout = attention.host_layout(model.config, [s[0] for s in samples[:2]], [x.shape for x in lat[:2]], sig[:2],
-                                   fps[:2])
-    with pytest.raises(ValueError, match="lengths"):
+    longer = [s[0] + [7] if i == 0 else s[0] for i, s in enumerate(samples)]  # one more text token in sample 0
+    layout = attention.host_layout(model.config, longer, [x.shape for x in lat], sig, fps)
+    with pytest.raises(ValueError, match="not the packed sequence's"):
         attention.build_packed_inputs(model.config, [s[0] for s in samples], lat, sig, fps, torch.device("cpu"),
                                       impl="varlen", layout=layout)
 

@@ -32,6 +32,7 @@ README_PLANTED_BUGS = {
     "adapter step: a moment streamed through bf16", "adapter step: a parameter not written back",
     "adapter step: a stream group skipped", "adapter step: missing stream wait",
     "text stream: detached although embed_tokens trains", "text stream: the vision stream detached too",
+    "variable-length gather: vision sees the next sample's text",
 }
 SURVIVOR_KINDS = {  # what survived a mutation run before the independent anchors existed
     "EMA update rule", "trainer beta(iteration - 1)", "resume loses the EMA counter",
