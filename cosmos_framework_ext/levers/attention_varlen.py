@@ -56,19 +56,20 @@ def check_varlen(impl: str, device_type: str, dtype: torch.dtype) -> None:
                          "on the GPU: set [model] precision = \"bfloat16\", or attention = \"flex\"")
 
 
-def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """int32 [n + 1]: 0, then the running sums of ``lengths``, on ``device``."""
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+def _cumulative(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """int32 [n + 1]: 0, then the running sums of ``lengths`` (a host tensor), on ``device``."""
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
     return to_device(cu, device)
 
 
 class VarlenSegments:
-    """Sample boundaries of one packed micro-batch for the variable-length kernels, shared by every layer.
+    """Sample boundaries of one packed micro-batch for the variable-length kernels, shared by every layer; built
+    from the same per-token sample indices as the dense and block-sparse segments.
 
     Args:
-        text_lengths: per sample, its text (understanding) tokens (``>= 1``).
-        vision_lengths: per sample, its vision (generation) tokens (``>= 1``).
+        und_segments: int64 [und_len], the sample index of each text (understanding) token, a host tensor.
+        gen_segments: int64 [gen_len], the sample index of each vision (generation) token, a host tensor.
         device: where the boundary tensors go (built on the host, sent from pinned memory without a synchronize).
 
     Attributes:
@@ -76,38 +77,35 @@ class VarlenSegments:
         cu_gen: int32 [n + 1], cumulative vision lengths.
         cu_kv: int32 [n + 1], cumulative ``text + vision`` lengths (the vision call's keys).
         kv_order: int64 [und_len + gen_len], the gather from ``[text_1 .. text_n | vision_1 .. vision_n]`` to
-            ``[text_1 vision_1 | text_2 vision_2 | ...]``.
+            ``[text_1 vision_1 | text_2 vision_2 | ...]`` (a stable sort of the keys' sample indices).
         longest: an empty tensor of shape ``[max text, max vision, max text + vision, 0]``: the runs' longest
             lengths as sizes.
 
     Raises:
-        ValueError: the two lists differ in length, are empty, or hold a length below 1.
+        ValueError: no token, segment indices not in runs ``0, 0, .., 1, ..`` (non-decreasing from 0), or a sample
+            without a text or a vision token.
     """
 
     varlen = True
     """Marks these segments for :class:`~cosmos_framework_ext.recipe.attention.PackedAttnProcessor`."""
 
-    def __init__(self, text_lengths: list[int], vision_lengths: list[int], device: torch.device | str):
-        if len(text_lengths) != len(vision_lengths) or not text_lengths:
-            raise ValueError(f"text_lengths ({len(text_lengths)}) and vision_lengths ({len(vision_lengths)}) must "
-                             "name the same samples, at least one")
-        if min(text_lengths) < 1 or min(vision_lengths) < 1:
+    def __init__(self, und_segments: torch.Tensor, gen_segments: torch.Tensor, device: torch.device | str):
+        if not und_segments.numel() or not gen_segments.numel():
+            raise ValueError("a packed micro-batch needs text and vision tokens")
+        for seg in (und_segments, gen_segments):
+            if bool((seg.diff() < 0).any()) or int(seg[0]) != 0:
+                raise ValueError("segment indices must run 0, 0, .., 1, .. (each sample's tokens together, in order)")
+        n = int(max(und_segments[-1], gen_segments[-1])) + 1
+        text, vision = torch.bincount(und_segments, minlength=n), torch.bincount(gen_segments, minlength=n)
+        if bool((text == 0).any()) or bool((vision == 0).any()):
             raise ValueError("every sample needs at least one text and one vision token")
         device = torch.device(device)
-        und_len = sum(text_lengths)
-        order, t0, v0 = [], 0, und_len
-        for t, v in zip(text_lengths, vision_lengths):
-            order.append(torch.arange(t0, t0 + t))
-            order.append(torch.arange(v0, v0 + v))
-            t0, v0 = t0 + t, v0 + v
-        kv_order = torch.cat(order)
-        both = [t + v for t, v in zip(text_lengths, vision_lengths)]
-        self.text_lengths, self.vision_lengths = list(text_lengths), list(vision_lengths)
-        self.cu_und = _cumulative(text_lengths, device)
-        self.cu_gen = _cumulative(vision_lengths, device)
+        both = text + vision
+        self.cu_und = _cumulative(text, device)
+        self.cu_gen = _cumulative(vision, device)
         self.cu_kv = _cumulative(both, device)
-        self.kv_order = to_device(kv_order, device)
-        self.longest = torch.empty(max(text_lengths), max(vision_lengths), max(both), 0, device=device)
+        self.kv_order = to_device(torch.cat([und_segments, gen_segments]).argsort(stable=True), device)
+        self.longest = torch.empty(int(text.max()), int(vision.max()), int(both.max()), 0, device=device)
 
     def attend_und(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Text attention: q [und_len, H, D], k/v [und_len, Hkv, D] -> [und_len, H * D], causal per sample."""

@@ -237,8 +237,7 @@ def build_packed_inputs(
         (forward kwargs, segments to set on the processor).
 
     Raises:
-        ValueError: ``impl`` is not one of :data:`ATTENTION_IMPLS`; for ``"varlen"``, a ``layout`` whose lengths are
-            not those of ``text_ids`` and the latents.
+        ValueError: ``impl`` is not one of :data:`ATTENTION_IMPLS`.
     """
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {list(ATTENTION_IMPLS)}")
@@ -264,14 +263,10 @@ def build_packed_inputs(
         vision_timesteps=put(layout.timesteps),
         vision_noisy_frame_indexes=[torch.arange(s[0], device=device) for s in layout.shapes],
     )
-    if impl == "varlen":  # the boundaries, from the host lengths (the segment ids are not needed)
+    if impl == "varlen":  # the boundaries, from the host segment indices (not sent themselves)
         from cosmos_framework_ext.levers.attention_varlen import VarlenSegments
 
-        text, vision = [len(ids) for ids in text_ids], [t * h * w for t, h, w in layout.shapes]
-        if sum(text) != und_len or sum(vision) != gen_len:
-            raise ValueError(f"the samples' lengths ({sum(text)} text, {sum(vision)} vision tokens) are not the "
-                             f"packed sequence's ({und_len}, {gen_len})")
-        return kwargs, VarlenSegments(text, vision, device)
+        return kwargs, VarlenSegments(layout.und_segments, layout.gen_segments, device)
     und_segments, gen_segments = put(layout.und_segments), put(layout.gen_segments)
     if impl == "flex":
         from cosmos_framework_ext.levers.attention_blocksparse import DEFAULT_BLOCK, BlockSparseSegments
