@@ -460,6 +460,22 @@ def allocator_delta(before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in allocator_counts().items()}
 
 
+def reserved_by_stream() -> list[dict]:
+    """The caching allocator's segments of the current CUDA device now, summed per stream, largest first:
+    ``[{"stream": "default" | "side <k>", "reserved_gib": float, "allocated_gib": float}]``. A free block serves only
+    allocations on its own stream, so memory a side stream (copies, the optimizer-state stream) keeps cached is
+    reserved but unusable by the training stream's activations."""
+    per: dict[int, list[int]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        tot = per.setdefault(int(seg["stream"]), [0, 0])
+        tot[0] += int(seg["total_size"])
+        tot[1] += int(seg["allocated_size"])
+    side = iter(range(1, len(per) + 1))
+    out = [{"stream": "default" if k == 0 else f"side {next(side)}", "reserved_gib": round(r / GiB, 3),
+            "allocated_gib": round(a / GiB, 3)} for k, (r, a) in sorted(per.items())]
+    return sorted(out, key=lambda d: -d["reserved_gib"])
+
+
 def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | None, peak: float | None,
             profile: bool = False, probe: bool = False, run: int = 1) -> dict:
     """Run one configuration and return its row; ``profile``: the row named ``<config> (profiled)``, with
@@ -545,6 +561,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         host_inputs_built=s.get("host_inputs_built"),
         compile_note=s.get("compile"),
         allocator=allocator_delta(before) if cuda else None,
+        # where the reserved memory sits at the row's end (nothing is released before then: the layout of its peak)
+        reserved_by_stream=reserved_by_stream() if cuda else None,
     )
     if flops_p is not None and times:
         flops = sum(model_flops(b, flops_p) for b in batches)

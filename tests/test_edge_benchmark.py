@@ -119,3 +119,18 @@ def test_smoke_offloaded_row(bench, tmp_path, edge_smoke_env):
     assert row["status"] == "ok" and row["checkpoint_layers"] == 2 and row["offload"]["layers"] == 1  # the smoke: 1
     assert row["offload"]["tensors_per_micro_batch"] > 0 and row["offload"]["bytes_per_micro_batch"] > 0  # copies ran
     assert "| 1 + 1 offloaded |" in (tmp_path / f"{stem}.md").read_text()
+
+
+def test_reserved_by_stream_sums_the_segments_per_stream(bench, monkeypatch):
+    """The allocator's segments summed per stream, the default stream named, side streams numbered in order of
+    their id, largest reservation first."""
+    gib = 1 << 30
+    segs = [{"stream": 0, "total_size": 2 * gib, "allocated_size": gib},
+            {"stream": 77, "total_size": 7 * gib // 2, "allocated_size": 0},
+            {"stream": 0, "total_size": gib, "allocated_size": gib // 2},
+            {"stream": 55, "total_size": gib // 4, "allocated_size": gib // 4}]
+    monkeypatch.setattr(bench.torch.cuda, "memory_snapshot", lambda: segs)
+    assert bench.reserved_by_stream() == [
+        {"stream": "side 2", "reserved_gib": 3.5, "allocated_gib": 0.0},
+        {"stream": "default", "reserved_gib": 3.0, "allocated_gib": 1.5},
+        {"stream": "side 1", "reserved_gib": 0.25, "allocated_gib": 0.25}]
