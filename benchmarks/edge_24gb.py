@@ -462,11 +462,15 @@ def allocator_delta(before: dict[str, int]) -> dict[str, int]:
 
 def reserved_by_stream() -> list[dict]:
     """The caching allocator's segments of the current CUDA device now, summed per stream, largest first:
-    ``[{"stream": "default" | "side <k>", "reserved_gib": float, "allocated_gib": float}]``. A free block serves only
-    allocations on its own stream, so memory a side stream (copies, the optimizer-state stream) keeps cached is
-    reserved but unusable by the training stream's activations."""
+    ``[{"stream": "default" | "side <k>", "reserved_gib": float, "allocated_gib": float}]`` ("default": stream 0,
+    the one the trainer computes on; side streams numbered in the order of their ids). A free block serves only
+    allocations on its own stream, so memory a side stream keeps cached is reserved but out of reach of the
+    training stream's activations."""
     per: dict[int, list[int]] = {}
+    device = torch.cuda.current_device()
     for seg in torch.cuda.memory_snapshot():
+        if int(seg.get("device", device)) != device:
+            continue
         tot = per.setdefault(int(seg["stream"]), [0, 0])
         tot[0] += int(seg["total_size"])
         tot[1] += int(seg["allocated_size"])
@@ -561,7 +565,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         host_inputs_built=s.get("host_inputs_built"),
         compile_note=s.get("compile"),
         allocator=allocator_delta(before) if cuda else None,
-        # where the reserved memory sits at the row's end (nothing is released before then: the layout of its peak)
+        # where the reserved memory sits at the row's end (under the cap: the sums equal the peak reserved)
         reserved_by_stream=reserved_by_stream() if cuda else None,
     )
     if flops_p is not None and times:

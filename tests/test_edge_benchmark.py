@@ -126,10 +126,12 @@ def test_reserved_by_stream_sums_the_segments_per_stream(bench, monkeypatch):
     their id, largest reservation first."""
     gib = 1 << 30
     segs = [{"stream": 0, "total_size": 2 * gib, "allocated_size": gib},
+            {"device": 1, "stream": 0, "total_size": 9 * gib, "allocated_size": 9 * gib},  # another card: not counted
             {"stream": 77, "total_size": 7 * gib // 2, "allocated_size": 0},
             {"stream": 0, "total_size": gib, "allocated_size": gib // 2},
             {"stream": 55, "total_size": gib // 4, "allocated_size": gib // 4}]
     monkeypatch.setattr(bench.torch.cuda, "memory_snapshot", lambda: segs)
+    monkeypatch.setattr(bench.torch.cuda, "current_device", lambda: 0)
     assert bench.reserved_by_stream() == [
         {"stream": "side 2", "reserved_gib": 3.5, "allocated_gib": 0.0},
         {"stream": "default", "reserved_gib": 3.0, "allocated_gib": 1.5},
