@@ -423,6 +423,20 @@ def checkpoint_layers_arg(value: str, preset: str, only: list[str]) -> str:
     return value if value in ("all", "auto") else str(int(value))
 
 
+def checkpoint_layers_list(value: str, preset: str, only: list[str]) -> list[str]:
+    """``--checkpoint-layers`` as its comma-separated values, each checked by :func:`checkpoint_layers_arg`: the rows
+    that read it run once per value, in order, in one process (their micro-batches paired).
+
+    Raises:
+        UserError: a value :func:`checkpoint_layers_arg` refuses, or one given twice (one line naming the fix).
+    """
+    values = [checkpoint_layers_arg(v, preset, only) for v in value.split(",")]
+    twice = sorted({v for v in values if values.count(v) > 1})
+    if twice:
+        raise UserError(f"--checkpoint-layers {value!r} names {twice[0]} twice: give each number of layers once")
+    return values
+
+
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
@@ -481,13 +495,18 @@ def reserved_by_stream() -> list[dict]:
 
 
 def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | None, peak: float | None,
-            profile: bool = False, probe: bool = False, run: int = 1) -> dict:
+            profile: bool = False, probe: bool = False, run: int = 1, layers: str | None = None) -> dict:
     """Run one configuration and return its row; ``profile``: the row named ``<config> (profiled)``, with
     micro-batches 1-3 of its last step profiled (:mod:`benchmarks.breakdown`, row key ``breakdown``); ``probe``: the
     row named ``<config> (queue depth)``, its last step marked (:mod:`benchmarks.queue_depth`, row key
-    ``queue_depth``); ``run`` > 1: the configuration's ``run``-th run in this process (``<config> (run <k>)``)."""
+    ``queue_depth``); ``run`` > 1: the configuration's ``run``-th run in this process (``<config> (run <k>)``);
+    ``layers``: the row's ``[onecard] checkpoint_layers`` when ``--checkpoint-layers`` names several values
+    (``<config> (checkpoint_layers <layers>)``), else the one ``--checkpoint-layers`` value or the row's own."""
     cuda = torch.cuda.is_available()
     suffix = PROFILED if profile else PROBED if probe else f" (run {run})" if run > 1 else ""
+    if layers is not None:
+        suffix = f" (checkpoint_layers {layers})" + suffix
+    given = layers or (args.checkpoint_layers[0] if args.checkpoint_layers else "")
     os.environ.update(cfg.flags, OUTPUT_ROOT=str(tmp / "out" / slug(cfg.name + suffix)))  # each row its own folder
     cap_gib = cfg.cap_gib or args.budget_gib
     if cfg.capped and cuda:
@@ -503,7 +522,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         return row
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp, args.checkpoint_layers or "",
+    toml = recipe_toml(cfg, args.grad_accum, args.steps, tmp, given,
                        args.offload_layers or (SMOKE_OFFLOADED_LAYERS if args.smoke else None))
     # the final checkpoint is written (and deleted after the row): the row's host peak is through a save
     recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--max-iter", str(args.steps)]))
@@ -678,8 +697,10 @@ def _main(argv: list[str] | None) -> int:
                     "far the GPU runs behind the host at each phase and layer, unprofiled (benchmarks/queue_depth.py; "
                     "own rows, \"<config> (queue depth)\")")
     ap.add_argument("--checkpoint-layers", default=None,
-                    help="[onecard] checkpoint_layers of the \"fewer checkpointed layers\" row (a number of decoder "
-                    "layers, \"all\" or \"auto\"; default auto); every other row checkpoints every layer")
+                    help="[onecard] checkpoint_layers of the \"fewer checkpointed layers\" rows (a number of decoder "
+                    "layers, \"all\" or \"auto\"; default auto); several, comma-separated (e.g. auto,15,13): each "
+                    "such row runs once per value, in one process, \"<config> (checkpoint_layers <value>)\"; every "
+                    "other row checkpoints every layer")
     ap.add_argument("--offload-layers", type=whole_number_arg(1, 28, "offloaded decoder layers"), default=None,
                     help=f"[onecard] offload_layers of the \"activations offloaded\" row (default {OFFLOADED_LAYERS}; at "
                     "most its checkpointed layers)")
@@ -706,8 +727,9 @@ def _main(argv: list[str] | None) -> int:
     positive("--budget-gib", args.budget_gib, "GiB")
     preset, running = "tiny" if args.smoke else "edge", [c.name for c in every if c.name in only + profiles + probes]
     if args.checkpoint_layers is not None:
-        args.checkpoint_layers = checkpoint_layers_arg(args.checkpoint_layers, preset, running)
-    offload_layers_check(args.offload_layers, args.checkpoint_layers, preset, running)
+        args.checkpoint_layers = checkpoint_layers_list(args.checkpoint_layers, preset, running)
+    for n in args.checkpoint_layers or [None]:
+        offload_layers_check(args.offload_layers, n, preset, running)
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")
     writable_dir("--out", args.out)
     # <date>_cosmos_<gpu>_edge24gb, a smoke's ending in -smoke: a smoke never replaces the GPU results
@@ -742,12 +764,14 @@ def _main(argv: list[str] | None) -> int:
         tmp = Path(tmp_s)
         os.environ["ONECARD_LATENT_CACHE"] = str(tmp / "latents")  # cold for the first cache row, warm after
         # each --only row (--repeat times), then each --profile row, then each --queue-depth row
-        runs = ([(c, {"run": k}) for c in chosen for k in range(1, args.repeat + 1)]
+        several = args.checkpoint_layers if args.checkpoint_layers and len(args.checkpoint_layers) > 1 else [None]
+        runs = ([(c, {"run": k, "layers": n}) for c in chosen for k in range(1, args.repeat + 1)
+                 for n in (several if c.checkpoint_layers else [None])]
                 + [(next(c for c in every if c.name == n), {"profile": True}) for n in profiles]
                 + [(next(c for c in every if c.name == n), {"probe": True}) for n in probes])
         for cfg, how in runs:
             rows.append(run_one(cfg, args, tmp, flops_p, peak, **how))
-            if how.get("run") == 1 and cfg.name in timelines:  # kept in tmp until every row has run: all or nothing
+            if how.get("run") == 1 and how.get("layers") is None and cfg.name in timelines:  # kept in tmp until every row has run: all or nothing
                 keep_timeline(cfg.name, tmp, tmp / "timelines")
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("breakdown", "queue_depth")}), flush=True)
             gc.collect()

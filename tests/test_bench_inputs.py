@@ -76,6 +76,8 @@ EDGE_24GB_BAD = [
 FEWER = "all levers + optimizer-state streaming + selective AC + fewer checkpointed layers"
 EDGE_24GB_BAD += [(["--smoke", "--only", FEWER, "--checkpoint-layers", bad], "--checkpoint-layers")
                   for bad in ("-1", "2.5", "some", "AUTO", "", "3", "99999999999999999999", "\u0663", "\u00b2", "[1]")]
+EDGE_24GB_BAD += [(["--smoke", "--only", FEWER, "--checkpoint-layers", bad], "--checkpoint-layers")
+                  for bad in ("1,1", "auto,1,auto", "1,", ",1", "1,,2", "1,3", "1;2")]  # several values: each checked, once
 EDGE_24GB_BAD += [(["--smoke", "--checkpoint-layers", "1"], "--checkpoint-layers"),  # no row reads it: not ignored
                   (["--smoke", "--only", "levers 1+2", "--checkpoint-layers", "auto"], "--checkpoint-layers")]
 
@@ -96,6 +98,8 @@ def test_edge_24gb_checkpoint_layers_values(scripts):
     arg = scripts["edge_24gb"].checkpoint_layers_arg
     assert arg("007", "edge", [FEWER]) == "7" and arg("28", "edge", [FEWER]) == "28"
     assert arg("auto", "tiny", [FEWER]) == "auto" and arg("0", "tiny", [FEWER]) == "0"
+    several = scripts["edge_24gb"].checkpoint_layers_list
+    assert several("auto,15,013", "edge", [FEWER]) == ["auto", "15", "13"] and several("2", "tiny", [FEWER]) == ["2"]
 
 
 @pytest.mark.parametrize("args,flag", EDGE_24GB_BAD)

@@ -136,3 +136,16 @@ def test_reserved_by_stream_sums_the_segments_per_stream(bench, monkeypatch):
         {"stream": "side 2", "reserved_gib": 3.5, "allocated_gib": 0.0},
         {"stream": "default", "reserved_gib": 3.0, "allocated_gib": 1.5},
         {"stream": "side 1", "reserved_gib": 0.25, "allocated_gib": 0.25}]
+
+
+def test_smoke_several_checkpoint_layers_in_one_process(bench, tmp_path, edge_smoke_env):
+    """``--checkpoint-layers 2,1``: the row that reads it runs once per value, named by it; a row that does not read
+    it runs once."""
+    fewer = "all levers + optimizer-state streaming + selective AC + fewer checkpointed layers"
+    assert bench.main(["--smoke", "--steps", "2", "--grad-accum", "1", "--only", f"+ latent cache,{fewer}",
+                       "--checkpoint-layers", "2,1", "--out", str(tmp_path)]) == 0
+    stem = result_stem("cosmos", "edge24gb", "cpu", smoke=True)
+    rows = json.loads((tmp_path / f"{stem}.json").read_text())["rows"]
+    assert [(r["config"], r["status"], r["checkpoint_layers"]) for r in rows] == [
+        ("+ latent cache", "ok", 2), (f"{fewer} (checkpoint_layers 2)", "ok", 2),
+        (f"{fewer} (checkpoint_layers 1)", "ok", 1)]
