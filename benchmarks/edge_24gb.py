@@ -411,9 +411,10 @@ def checkpoint_layers_arg(value: str, preset: str, only: list[str]) -> str:
     from cosmos_framework_ext.recipe.presets import get_preset
 
     layers = get_preset(preset).transformer["num_hidden_layers"]
-    if value not in ("all", "auto") and not (re.fullmatch(r"[0-9]{1,4}", value) and int(value) <= layers):
+    if value not in ("all", "auto") and not (re.fullmatch(r"0*[0-9]{1,4}", value) and int(value) <= layers):
         raise UserError(f"--checkpoint-layers {value!r} is not a number of decoder layers from 0 to {layers} (the "
-                        f"{preset} preset), \"all\" or \"auto\": pass e.g. {max(layers - 8, 0)}")
+                        f"{preset} preset), \"all\" or \"auto\": pass e.g. {max(layers - 8, 0)}, or several "
+                        f"separated by commas without spaces (e.g. auto,{max(layers - 8, 0)})")
     readers = [c.name for c in OPTIONAL + CONFIGS if c.checkpoint_layers]
     if not any(name in readers for name in only):
         rows = f"row {readers[0]!r}" if len(readers) == 1 else f"rows that leave layers out ({len(readers)}: the ones named " \
@@ -430,10 +431,15 @@ def checkpoint_layers_list(value: str, preset: str, only: list[str]) -> list[str
     Raises:
         UserError: a value :func:`checkpoint_layers_arg` refuses, or one given twice (one line naming the fix).
     """
+    from cosmos_framework_ext.recipe.presets import get_preset
+
     values = [checkpoint_layers_arg(v, preset, only) for v in value.split(",")]
-    twice = sorted({v for v in values if values.count(v) > 1})
+    layers = str(get_preset(preset).transformer["num_hidden_layers"])
+    counts = [layers if v == "all" else v for v in values]  # "all" is every layer: the same run as that number
+    twice = sorted({v for v in counts if counts.count(v) > 1})
     if twice:
-        raise UserError(f"--checkpoint-layers {value!r} names {twice[0]} twice: give each number of layers once")
+        raise UserError(f"--checkpoint-layers {value!r} names {twice[0]} layers twice (\"all\" is {layers} on the "
+                        f"{preset} preset): give each number of layers once")
     return values
 
 
@@ -728,6 +734,13 @@ def _main(argv: list[str] | None) -> int:
     preset, running = "tiny" if args.smoke else "edge", [c.name for c in every if c.name in only + profiles + probes]
     if args.checkpoint_layers is not None:
         args.checkpoint_layers = checkpoint_layers_list(args.checkpoint_layers, preset, running)
+        readers = {c.name for c in every if c.checkpoint_layers}
+        for flag, named in (("--profile", profiles), ("--queue-depth", probes), ("--timelines", timelines)):
+            clash = [n for n in named if n in readers]
+            if clash and len(args.checkpoint_layers) > 1:
+                raise UserError(f"{flag} runs or keeps the row {clash[0]!r} once, and --checkpoint-layers names "
+                                f"{len(args.checkpoint_layers)} values: give --checkpoint-layers one value, or drop "
+                                f"{flag}")
     for n in args.checkpoint_layers or [None]:
         offload_layers_check(args.offload_layers, n, preset, running)
     positive("--peak-tflops", args.peak_tflops, "TFLOP/s")

@@ -77,7 +77,9 @@ FEWER = "all levers + optimizer-state streaming + selective AC + fewer checkpoin
 EDGE_24GB_BAD += [(["--smoke", "--only", FEWER, "--checkpoint-layers", bad], "--checkpoint-layers")
                   for bad in ("-1", "2.5", "some", "AUTO", "", "3", "99999999999999999999", "\u0663", "\u00b2", "[1]")]
 EDGE_24GB_BAD += [(["--smoke", "--only", FEWER, "--checkpoint-layers", bad], "--checkpoint-layers")
-                  for bad in ("1,1", "auto,1,auto", "1,", ",1", "1,,2", "1,3", "1;2")]  # several values: each checked, once
+                  for bad in ("1,1", "auto,1,auto", "1,", ",1", "1,,2", "1,3", "1;2", "all,2", "1,01")]  # each checked, once
+EDGE_24GB_BAD += [(["--smoke", "--only", FEWER, flag, FEWER, "--checkpoint-layers", "1,2"], flag)  # one run of the row
+                  for flag in ("--profile", "--queue-depth", "--timelines")]
 EDGE_24GB_BAD += [(["--smoke", "--checkpoint-layers", "1"], "--checkpoint-layers"),  # no row reads it: not ignored
                   (["--smoke", "--only", "levers 1+2", "--checkpoint-layers", "auto"], "--checkpoint-layers")]
 
@@ -100,6 +102,7 @@ def test_edge_24gb_checkpoint_layers_values(scripts):
     assert arg("auto", "tiny", [FEWER]) == "auto" and arg("0", "tiny", [FEWER]) == "0"
     several = scripts["edge_24gb"].checkpoint_layers_list
     assert several("auto,15,013", "edge", [FEWER]) == ["auto", "15", "13"] and several("2", "tiny", [FEWER]) == ["2"]
+    assert several("all,27", "edge", [FEWER]) == ["all", "27"] and arg("00001", "tiny", [FEWER]) == "1"
 
 
 @pytest.mark.parametrize("args,flag", EDGE_24GB_BAD)
