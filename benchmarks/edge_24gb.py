@@ -784,7 +784,8 @@ def _main(argv: list[str] | None) -> int:
                 + [(next(c for c in every if c.name == n), {"probe": True}) for n in probes])
         for cfg, how in runs:
             rows.append(run_one(cfg, args, tmp, flops_p, peak, **how))
-            if how.get("run") == 1 and how.get("layers") is None and cfg.name in timelines:  # kept in tmp until every row has run: all or nothing
+            # kept in tmp until every row has run: all or nothing
+            if how.get("run") == 1 and how.get("layers") is None and cfg.name in timelines:
                 keep_timeline(cfg.name, tmp, tmp / "timelines")
             print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("breakdown", "queue_depth")}), flush=True)
             gc.collect()
