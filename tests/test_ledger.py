@@ -187,3 +187,17 @@ def test_the_ledger_command_reads_the_card_cap_as_its_budget(monkeypatch, capsys
     monkeypatch.setenv("BUDGET_GIB", "15")  # BUDGET_GIB first, as before
     ledger.main(["--toml", str(REPO / "toml" / "vision_sft_edge_12gb.toml")])
     assert "budget 15.00 GiB" in capsys.readouterr().out
+
+
+def test_every_attention_setting_names_an_op_the_selective_policy_keeps():
+    """The ledger prices kept attention outputs by ``[onecard] attention``'s op: every setting has one, and the
+    recipes' attention regexes (``ATTENTION_OPS``) match it, so the ledger and the policy agree on what is kept."""
+    import re
+
+    from cosmos_framework_ext.levers.selective_ac import ATTENTION_OPS
+    from cosmos_framework_ext.recipe.attention import ATTENTION_IMPLS
+    from cosmos_framework_ext.recipe.ledger import ATTENTION_OP_NAMES
+
+    assert set(ATTENTION_OP_NAMES) == set(ATTENTION_IMPLS)
+    for impl, op in ATTENTION_OP_NAMES.items():
+        assert any(re.search(p, op) for p in ATTENTION_OPS), impl

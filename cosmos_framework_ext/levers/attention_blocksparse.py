@@ -138,9 +138,6 @@ class BlockSparseSegments:
         gen_mask: BlockMask [1, 1, gen_len, und_len + gen_len], vision queries over ``[text | vision]`` keys.
     """
 
-    block_sparse = True
-    """Marks these segments for :class:`~cosmos_framework_ext.recipe.attention.PackedAttnProcessor` (flex path)."""
-
     def __init__(self, und_segments: torch.Tensor, gen_segments: torch.Tensor, block: int = DEFAULT_BLOCK,
                  n_segments: int | None = None):
         und = und_segments

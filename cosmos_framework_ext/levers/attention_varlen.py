@@ -86,9 +86,6 @@ class VarlenSegments:
             without a text or a vision token.
     """
 
-    varlen = True
-    """Marks these segments for :class:`~cosmos_framework_ext.recipe.attention.PackedAttnProcessor`."""
-
     def __init__(self, und_segments: torch.Tensor, gen_segments: torch.Tensor, device: torch.device | str):
         if not und_segments.numel() or not gen_segments.numel():
             raise ValueError("a packed micro-batch needs text and vision tokens")

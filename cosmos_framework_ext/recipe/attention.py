@@ -99,7 +99,7 @@ class PackedAttnProcessor:
         seg = self.segments
         all_k = torch.cat([k_und_for_gen, k_gen], dim=0)
         all_v = torch.cat([v_und, v_gen], dim=0)
-        if getattr(seg, "block_sparse", False) or getattr(seg, "varlen", False):  # "flex" or "varlen": the levers
+        if hasattr(seg, "attend_gen"):  # segments that run their own kernels ("flex", "varlen"): the levers
             causal_out = seg.attend_und(q_und, k_und, v_und)
             full_out = seg.attend_gen(q_gen, all_k, all_v)
             return attn.to_out(causal_out), attn.to_add_out(full_out)
