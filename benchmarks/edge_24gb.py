@@ -27,7 +27,9 @@ main thread, as before they moved to the loader threads: the A/B of that change)
 (``[onecard] compile_wrapper = "cpp"``: the compiled layers' kernels launched by inductor's C++ wrapper); the same
 ``+ text stream detached`` (``[onecard] detach_text_stream = true``: no backward through the frozen text stream),
 and that row ``+ lookup tables on the host`` (``[onecard] host_embeddings``: the GiB the tables free goes to fewer
-checkpointed layers);
+checkpointed layers), ``+ variable-length attention`` (``[onecard] attention = "varlen"``) and ``+ text K/V cache``
+(``[onecard] text_kv_cache = true``: the text stream's keys and values from a per-caption cache, the text stream not
+run);
 ``12 GB card: all levers + optimizer-state streaming + lookup tables on the host`` (``[onecard] host_embeddings``,
 full checkpointing, its own cap of 11.0 GiB); ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
@@ -152,6 +154,8 @@ class Config:
     """``[onecard] compile_wrapper`` to set (empty: the trainer's default, inductor's Python wrapper)."""
     detach_text_stream: bool = False
     """``[onecard] detach_text_stream = true`` (no backward pass through the frozen text stream)."""
+    text_kv_cache: bool = False
+    """``[onecard] text_kv_cache = true`` (the frozen text stream's keys and values from a per-caption cache)."""
     offload_layers: int = 0
     """``[onecard] offload_layers`` to set (0: none; ``--offload-layers`` replaces it where it is set)."""
     inputs_on_main_thread: bool = False
@@ -217,6 +221,10 @@ OPTIONAL = [
            "+ lookup tables on the host + variable-length attention", {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True,
            attention=ATTENTION_VARLEN, compile=True, selective=True, checkpoint_layers="auto", detach_text_stream=True,
            host_embeddings=True),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached "
+           "+ lookup tables on the host + variable-length attention + text K/V cache",
+           {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_VARLEN, compile=True, selective=True,
+           checkpoint_layers="auto", detach_text_stream=True, host_embeddings=True, text_kv_cache=True),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
@@ -342,7 +350,7 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
     values = {"compile_blocks": cfg.compile,  # the embedded trainer compiles only when compile_blocks says so as well
               "checkpoint_layers": int(layers) if layers.isdigit() else layers,
               "host_embeddings": cfg.host_embeddings, "compile_wrapper": cfg.compile_wrapper,
-              "detach_text_stream": cfg.detach_text_stream,
+              "detach_text_stream": cfg.detach_text_stream, "text_kv_cache": cfg.text_kv_cache,
               "offload_layers": (offload_layers or cfg.offload_layers) if cfg.offload_layers else False}
     # unset: False or "" (0 checkpointed layers is a value); JSON writes these scalars as TOML does
     onecard = [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not False and value != ""]

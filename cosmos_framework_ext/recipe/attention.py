@@ -75,37 +75,61 @@ class PackedAttnProcessor:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
         return out.squeeze(0).transpose(0, 1).flatten(-2, -1)
 
-    def __call__(self, attn, und_seq, gen_seq, rotary_emb):
-        q_und = attn.to_q(und_seq).view(-1, attn.num_attention_heads, attn.head_dim)
-        k_und = attn.to_k(und_seq).view(-1, attn.num_key_value_heads, attn.head_dim)
-        v_und = attn.to_v(und_seq).view(-1, attn.num_key_value_heads, attn.head_dim)
+    @staticmethod
+    def _vision_qkv(attn, gen_seq, cos_gen, sin_gen):
+        """The vision stream's q [gen_len, H, D], k and v [gen_len, Hkv, D]: projected, normed, rotated."""
         q_gen = attn.add_q_proj(gen_seq).view(-1, attn.num_attention_heads, attn.head_dim)
         k_gen = attn.add_k_proj(gen_seq).view(-1, attn.num_key_value_heads, attn.head_dim)
         v_gen = attn.add_v_proj(gen_seq).view(-1, attn.num_key_value_heads, attn.head_dim)
-
-        q_und = attn.norm_q(q_und)
-        k_und = attn.norm_k(k_und)
-        k_und_for_gen = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not None else k_und
         q_gen = attn.norm_added_q(q_gen)
         k_gen = attn.norm_added_k(k_gen)
-
-        cos_und, sin_und, cos_gen, sin_gen = (t.unsqueeze(1) for t in rotary_emb)
-        q_und = q_und * cos_und + _rotate_half(q_und) * sin_und
-        k_und = k_und * cos_und + _rotate_half(k_und) * sin_und
-        k_und_for_gen = k_und_for_gen * cos_und + _rotate_half(k_und_for_gen) * sin_und
         q_gen = q_gen * cos_gen + _rotate_half(q_gen) * sin_gen
         k_gen = k_gen * cos_gen + _rotate_half(k_gen) * sin_gen
+        return q_gen, k_gen, v_gen
 
+    @staticmethod
+    def _text_keys_for_vision(attn, k_und, cos_und, sin_und):
+        """The text keys the vision stream reads: ``k_norm_und_for_gen`` (where the model has it) of ``k_und`` (after
+        ``norm_k``) [und_len, Hkv, D], rotated."""
+        k = attn.k_norm_und_for_gen(k_und) if attn.k_norm_und_for_gen is not None else k_und
+        return k * cos_und + _rotate_half(k) * sin_und
+
+    def _attend_vision(self, q_gen, all_k, all_v):
+        """Vision queries over each own sample's ``[text | vision]`` keys -> [gen_len, H * D]."""
         seg = self.segments
+        if hasattr(seg, "attend_gen"):  # segments that run their own kernels ("flex", "varlen"): the levers
+            return seg.attend_gen(q_gen, all_k, all_v)
+        multi = seg is not None and not seg.single
+        return self._sdpa(q_gen, all_k, all_v, seg.gen_mask if multi else None, is_causal=False)
+
+    def __call__(self, attn, und_seq, gen_seq, rotary_emb):
+        if len(rotary_emb) == 6:  # the text keys and values from the cache (lever): the vision stream alone
+            cos_und, sin_und, cos_gen, sin_gen, k_und, v_und = (t if i > 3 else t.unsqueeze(1)
+                                                                for i, t in enumerate(rotary_emb))
+            q_gen, k_gen, v_gen = self._vision_qkv(attn, gen_seq, cos_gen, sin_gen)
+            all_k = torch.cat([self._text_keys_for_vision(attn, k_und, cos_und, sin_und), k_gen], dim=0)
+            all_v = torch.cat([v_und, v_gen], dim=0)
+            return und_seq, attn.to_add_out(self._attend_vision(q_gen, all_k, all_v))
+        cos_und, sin_und, cos_gen, sin_gen = (t.unsqueeze(1) for t in rotary_emb)
+        q_und = attn.to_q(und_seq).view(-1, attn.num_attention_heads, attn.head_dim)
+        k_und = attn.to_k(und_seq).view(-1, attn.num_key_value_heads, attn.head_dim)
+        v_und = attn.to_v(und_seq).view(-1, attn.num_key_value_heads, attn.head_dim)
+        q_und = attn.norm_q(q_und)
+        k_und = attn.norm_k(k_und)
+        k_und_for_gen = self._text_keys_for_vision(attn, k_und, cos_und, sin_und)
+        q_und = q_und * cos_und + _rotate_half(q_und) * sin_und
+        k_und = k_und * cos_und + _rotate_half(k_und) * sin_und
+        q_gen, k_gen, v_gen = self._vision_qkv(attn, gen_seq, cos_gen, sin_gen)
+
         all_k = torch.cat([k_und_for_gen, k_gen], dim=0)
         all_v = torch.cat([v_und, v_gen], dim=0)
-        if hasattr(seg, "attend_gen"):  # segments that run their own kernels ("flex", "varlen"): the levers
+        seg = self.segments
+        full_out = self._attend_vision(q_gen, all_k, all_v)
+        if hasattr(seg, "attend_und"):
             causal_out = seg.attend_und(q_und, k_und, v_und)
-            full_out = seg.attend_gen(q_gen, all_k, all_v)
-            return attn.to_out(causal_out), attn.to_add_out(full_out)
-        multi = seg is not None and not seg.single
-        causal_out = self._sdpa(q_und, k_und, v_und, seg.und_mask if multi else None, is_causal=True)
-        full_out = self._sdpa(q_gen, all_k, all_v, seg.gen_mask if multi else None, is_causal=False)
+        else:
+            multi = seg is not None and not seg.single
+            causal_out = self._sdpa(q_und, k_und, v_und, seg.und_mask if multi else None, is_causal=True)
         return attn.to_out(causal_out), attn.to_add_out(full_out)
 
 

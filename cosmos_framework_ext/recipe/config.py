@@ -337,6 +337,13 @@ class OnecardConfig:
     layers compiled with their checkpoint inside, no recompute of what only that backward reads), the same gradients
     (cosmos_framework_ext.levers.text_stream; proof tests/equivalence/test_text_stream.py). Needs ``embed_tokens``
     frozen (refused otherwise); any other ``keys_to_select`` stays exact."""
+    text_kv_cache: bool = False
+    """Read the frozen text (understanding) stream's keys and values from a per-caption cache instead of running the
+    text stream in every layer: a pre-pass computes them once per distinct caption into host memory (112 KiB per text
+    token for the edge preset), and each micro-batch's rows reach the GPU with it
+    (cosmos_framework_ext.levers.text_kv_cache; proof tests/equivalence/test_text_kv_cache.py, exact to a stated fp32
+    tolerance, not bitwise). Needs every text-stream weight and ``embed_tokens`` frozen (refused otherwise). The
+    embedded trainer only."""
     keep_checkpoints: int = dataclasses.field(default=2, metadata=meaning(ge=0))
     """Checkpoints kept in ``<run dir>/checkpoints`` after each save, the new one included (0: all). Each edge-preset
     checkpoint holds ``net``, an fp32 ``net_ema`` and the AdamW state (tens of GB), so the default keeps the newest and
@@ -603,6 +610,9 @@ def _main(argv: list[str] | None = None) -> int:
         if cfg.onecard.detach_text_stream and not DETACH_TEXT_STREAM.value(os.environ):
             print(f"onecard: {args[1]} sets [onecard] detach_text_stream = true, which upstream's trainer does not read: "
                   f"set {DETACH_TEXT_STREAM.name}=1 to detach the frozen text stream there too", file=sys.stderr)
+        if cfg.onecard.text_kv_cache:
+            print(f"onecard: {args[1]} sets [onecard] text_kv_cache = true, which only the embedded trainer runs: "
+                  "upstream's trainer runs the text stream in every layer", file=sys.stderr)
         if cfg.onecard.offload_layers:
             print(f"onecard: {args[1]} sets [onecard] offload_layers = {cfg.onecard.offload_layers}, which only the embedded "
                   "trainer runs: upstream's trainer recomputes those layers as its checkpointing says", file=sys.stderr)

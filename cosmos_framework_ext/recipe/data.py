@@ -364,6 +364,18 @@ class SampleSource:
         ``dropped=False``, kept)."""
         return min(sum(self._count(i, w, dropped)) for w in range(len(self.records[i].windows)))
 
+    def all_text_ids(self) -> list[list[int]]:
+        """Every ``text_ids`` an access can yield (what the text K/V cache's pre-pass fills): each window of each row,
+        with its caption unless ``cfg_dropout`` is 1 and without it unless ``cfg_dropout`` is 0; duplicates removed,
+        in row order."""
+        coins = [d for d in (False, True) if (self.cfg_dropout < 1.0 if not d else self.cfg_dropout > 0.0)]
+        seen: dict[tuple[int, ...], None] = {}
+        for i, rec in enumerate(self.records):
+            for w in range(len(rec.windows)):
+                for dropped in coins:
+                    seen.setdefault(tuple(self._text(i, w, dropped)[1]), None)
+        return [list(k) for k in seen]
+
     def sample(self, i: int, epoch: int) -> SftSample:
         """The :class:`SftSample` of access ``(i, epoch)``; its video is decoded on first use."""
         w, dropped = self.choice(i, epoch)

@@ -45,6 +45,7 @@ from cosmos_framework_ext.recipe.config import SFTConfig
 from cosmos_framework_ext.levers.attention_varlen import check_varlen
 from cosmos_framework_ext.levers.frozen_bf16 import check_with_ema
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings
+from cosmos_framework_ext.levers.text_kv_cache import check_text_kv_cache, text_stream_params
 from cosmos_framework_ext.levers.text_stream import check_text_stream
 from cosmos_framework_ext.levers.selective_ac import kept_attention_bytes
 from cosmos_framework_ext.recipe.presets import PRESETS, build_transformer, build_vae, get_preset, select_trainable
@@ -110,6 +111,8 @@ def _counts_of(preset_name: str, keys: tuple[str, ...]) -> dict[str, int]:
         "largest": max((p.numel() for p in params.values()), default=0),
         "tables": sum(params[n].numel() for n in HOST_TABLES if n in params),
         "tables_train": sorted(n for n in HOST_TABLES if n in trainable),
+        "text_train": text_stream_params(sorted(trainable)),
+        "kv_dim": preset.transformer["num_key_value_heads"] * preset.transformer["head_dim"],
     }
 
 
@@ -167,6 +170,7 @@ def cosmos_ledger(
     cap: int | None = None,
     grad_accum_iter: int | None = None,
     checkpoint_layers: int | None = None,
+    text_tokens: tuple[int, int] | None = None,
 ) -> Ledger:
     """The ledger of one rank of the Cosmos3-Edge recipe.
 
@@ -181,10 +185,13 @@ def cosmos_ledger(
         checkpoint_layers: decoder layers activation-checkpointed (default: ``[onecard] checkpoint_layers`` when it
             is a number, every layer for ``"all"`` and ``"auto"``; :func:`resolve_checkpoint_layers` resolves
             ``"auto"``).
+        text_tokens: for ``[onecard] text_kv_cache``, ``(distinct text tokens the cache holds, text tokens of one
+            micro-batch)``, from the dataset (the trainer counts them); ``None``: the cache's host line is left
+            unpriced and says so.
 
     Raises:
         ValueError: unknown preset, or ``keys_to_select`` empty / matching nothing; a setting the trainer refuses
-            too (the lookup tables on the host, the detached text stream, ``attention = "varlen"`` computing in fp32
+            too (the lookup tables on the host, the detached text stream, the text K/V cache, ``attention = "varlen"`` computing in fp32
             on a GPU).
         UserError: ``COSMOS_FROZEN_BF16=1`` with the stock device EMA (:func:`frozen_bf16.check_with_ema`), which
             the trainer refuses too.
@@ -202,6 +209,7 @@ def cosmos_ledger(
     c = _counts(preset_name, cfg.optimizer.keys_to_select)  # builds the model on the meta device (seconds)
     check_host_embeddings(cfg.onecard.host_embeddings, c["tables_train"], world_size, mixed)  # the trainer's too
     check_text_stream(cfg.onecard.detach_text_stream, c["tables_train"])  # the trainer's too
+    check_text_kv_cache(cfg.onecard.text_kv_cache, c["text_train"])  # the trainer's too
     check_offload_layers(cfg, preset_name, world_size, mixed, checkpoint_layers)  # the trainer's too
     check_varlen(cfg.onecard.attention, device_type, torch.bfloat16 if bf16 else torch.float32)  # the trainer's too
     cap = cap or cfg.dataloader_train.max_sequence_length
@@ -217,6 +225,8 @@ def cosmos_ledger(
     items += _ema_and_vae_items(at, ema_on, ema_lever, flags)
     items += acts
     items += _host_items(at, ema_on)
+    if cfg.onecard.text_kv_cache:
+        items.append(_text_kv_item(at, text_tokens))
     outside = [Item("CUDA context", CUDA_CONTEXT if at.cuda else 0, note="outside the allocator budget")]
     levers = [f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD, FROZEN_BF16)
               if flags.get(f.name)]
@@ -305,6 +315,25 @@ def _ema_and_vae_items(at: _At, ema_on: bool, ema_lever: bool, flags: dict[str, 
     else:
         vae = Item("Wan2.2 VAE (resident)", vae_bytes, note=f"{c['vae']:,} params")
     return [ema, vae]
+
+
+TEXT_KV_IN_FLIGHT = 3
+"""Micro-batches whose gathered text keys and values are alive at once: the one training and the loader's two ahead
+(:func:`patches.core.data.prefetch.prefetched`, depth 2)."""
+
+
+def _text_kv_item(at: _At, text_tokens: tuple[int, int] | None) -> Item:
+    """``[onecard] text_kv_cache``: the cache (every distinct text's keys and values, compute dtype) and the gathered
+    micro-batches in flight (pinned on a GPU run), on the host. Its GPU bytes, one micro-batch's keys and values,
+    replace the text stream's own, which the activations line prices."""
+    per_token = at.c["layers"] * 2 * at.c["kv_dim"] * at.b
+    if text_tokens is None:
+        return Item("text K/V cache (lever)", 0, note=f"{per_token / 1024:.0f} KiB per distinct text token: the "
+                    "trainer prices it from the dataset's captions")
+    tokens, per_micro = text_tokens
+    return Item("text K/V cache (lever)", 0, tokens * per_token + TEXT_KV_IN_FLIGHT * per_micro * per_token,
+                pinned=at.cuda, note=f"{tokens:,} distinct text tokens + {TEXT_KV_IN_FLIGHT} micro-batches of about "
+                f"{per_micro:,}, {per_token / 1024:.0f} KiB each")
 
 
 def _host_items(at: _At, ema_on: bool) -> list[Item]:

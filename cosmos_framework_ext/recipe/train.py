@@ -63,6 +63,7 @@ from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
+from cosmos_framework_ext.levers.text_kv_cache import TextKVCache, check_text_kv_cache, use_text_kv_cache
 from cosmos_framework_ext.levers.text_stream import check_text_stream, detach_text_stream, is_detached
 from cosmos_framework_ext.levers.attention_varlen import check_varlen
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
@@ -112,6 +113,8 @@ class HostInputs:
         noise: fp32 [sum of the latents' sizes], each sample's Gaussian noise, flattened and concatenated in order
             (the same draws as :func:`_sample_noise`'s per-sample tensors; pinned on a GPU run).
         layout: positions, timesteps and segment indices (:func:`~cosmos_framework_ext.recipe.attention.host_layout`).
+        text_kv: ``[layers, 2, und_len, kv_dim]`` in the compute dtype, the samples' cached text keys and values
+            (``[onecard] text_kv_cache``; pinned on a GPU run), else ``None``.
     """
 
     key: tuple[int, int]
@@ -119,6 +122,7 @@ class HostInputs:
     sigmas: torch.Tensor
     noise: torch.Tensor
     layout: attention.HostLayout
+    text_kv: torch.Tensor | None = None
 
 
 def _one_line(e: BaseException) -> str:
@@ -500,6 +504,7 @@ class CosmosSFT(skeleton.Recipe):
             self.trainable = select_trainable(names, cfg.optimizer.keys_to_select)
             check_host_embeddings(cfg.onecard.host_embeddings, self.trainable, self.world, self.mixed)
             check_text_stream(cfg.onecard.detach_text_stream, self.trainable)
+            check_text_kv_cache(cfg.onecard.text_kv_cache, self.trainable)
         except ValueError as e:
             raise UserError(f"{cfg.source}: {e}") from None
         path = Path(cfg.checkpoint.load_path) if cfg.checkpoint.load_path else None
@@ -550,6 +555,15 @@ class CosmosSFT(skeleton.Recipe):
         if not 0.0 <= cfg.onecard.cfg_dropout <= 1.0:
             raise UserError(f"{src}: [onecard].cfg_dropout = {cfg.onecard.cfg_dropout} must be in [0, 1]")
 
+    def _text_tokens(self) -> tuple[int, int]:
+        """For the ledger's text K/V line: (distinct text tokens of every access the loader can yield, the text tokens
+        of a micro-batch filled to the cap at the dataset's largest text share)."""
+        texts = self.source.all_text_ids()
+        tokens = sum(len(self._und_ids(t)) for t in texts)
+        share = max(len(self._und_ids(self.source.sample(i, 0).text_ids)) / self.source.token_count(i, 0)
+                    for i in range(len(self.source)))
+        return tokens, math.ceil(self.cap * share)
+
     def _print_plan(self) -> None:
         """The run's one-line plan and its memory ledger (rank 0)."""
         dev = self.device
@@ -559,7 +573,8 @@ class CosmosSFT(skeleton.Recipe):
         # the ledger re-checks offload_layers against the resolved count (check_offload_layers)
         self.ledger = cosmos_ledger(self.cfg, self.preset.name, self.flags, world_size=self.world,
                                     device_type=dev.type, cap=self.cap, grad_accum_iter=self.ga,
-                                    checkpoint_layers=self.checkpoint_layers)
+                                    checkpoint_layers=self.checkpoint_layers,
+                                    text_tokens=self._text_tokens() if self.cfg.onecard.text_kv_cache else None)
         if not self.main_rank:
             return
         where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no GPU found)"
@@ -657,6 +672,12 @@ class CosmosSFT(skeleton.Recipe):
         self.proc = attention.install(model)
         if cfg.onecard.detach_text_stream:  # lever: no backward through the frozen text stream
             detach_text_stream(model)
+        self.text_kv = None
+        if cfg.onecard.text_kv_cache:  # lever: the frozen text stream's keys and values from a per-caption cache
+            t = self.preset.transformer
+            self.text_kv = TextKVCache(len(model.layers), t["num_key_value_heads"] * t["head_dim"], self.dtype,
+                                       pin=device.type == "cuda")
+            use_text_kv_cache(model, self.text_kv)
         self.act_offload = None
         if offloaded:  # lever: the first layers' activations on the host; copies back from the last checkpointed one's backward
             trigger = max(self.checkpoint_layers - 1, offloaded) if offloaded < len(model.layers) else None
@@ -862,6 +883,8 @@ class CosmosSFT(skeleton.Recipe):
         print(f"onecard: {self.vae_note}; VAE {vae}; EMA {self.ema_note}; dataset {self.ds_root} "
               f"({len(self.records)} rows); cap {self.cap}, grad_accum_iter {self.ga}")
         text = "; text stream detached ([onecard] detach_text_stream)" if is_detached(self.model) else ""
+        if self.text_kv is not None:
+            text += "; text keys and values from a per-caption cache ([onecard] text_kv_cache)"
         print(f"onecard: attention {self.cfg.onecard.attention} ([onecard].attention); blocks {self.compile_note}{text}")
 
     def checkpoint_bytes(self) -> int:
@@ -885,8 +908,34 @@ class CosmosSFT(skeleton.Recipe):
         return regular + (0 if end % every == 0 or end != self.max_steps else 1)
 
     # ------------------------------------------------------------ 5. the loop
+    def _fill_text_kv(self) -> None:
+        """The text K/V cache's pre-pass (``[onecard] text_kv_cache``): every text the loader can yield, through the
+        model as it stands now (after a warm start or a resume), each with a one-token stand-in latent."""
+        cfg, device, p = self.cfg, self.device, self.preset.transformer["latent_patch_size"]
+        c = self.preset.transformer["latent_channel"]
+
+        def forward_inputs(texts: list[list[int]]):
+            latents = [torch.zeros(1, c, 1, p, p, dtype=self.dtype, device=device) for _ in texts]
+            return attention.build_packed_inputs(
+                self.model.config, texts, latents, torch.full((len(texts),), 0.5), [self.model.config.base_fps] * len(texts),
+                device, impl=cfg.onecard.attention,
+                ids_device=torch.device("cpu") if self.host_tables is not None else None)
+
+        n = self.text_kv.fill(self.model, self.proc, (self._und_ids(ids) for ids in self.source.all_text_ids()),
+                              forward_inputs, progress=self.main_rank)
+        if self.main_rank and n:
+            print(f"onecard: {self.text_kv.line()}", flush=True)
+
+    def _und_ids(self, text_ids: list[int]) -> list[int]:
+        """A sample's und token ids: its ``text_ids``, then EOS and the vision start/end markers."""
+        tok = self.tokenizer
+        return text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id]
+
     def _begin(self) -> None:
-        """Before the first step of this process: data position, prefetch, peak reset, memory sampler."""
+        """Before the first step of this process: the text K/V pre-pass, data position, prefetch, peak reset, memory
+        sampler."""
+        if self.text_kv is not None:
+            self._fill_text_kv()
         it = iter(self.loader)
         for _ in range(self.consumed):  # fast-forward to where the checkpoint stopped (decoding is lazy)
             next(it)
@@ -963,10 +1012,10 @@ class CosmosSFT(skeleton.Recipe):
         noise = _flat(noise, pin=cuda)  # the same draws, concatenated
         if cuda:
             sigmas = sigmas.pin_memory()
-        tok = self.tokenizer
-        text = [s.text_ids + [tok.eos_id, tok.vision_start_id, tok.vision_end_id] for s in batch]
+        text = [self._und_ids(s.text_ids) for s in batch]
         layout = attention.host_layout(self.model.config, text, shapes, sigmas, [s.record.fps for s in batch], pin=cuda)
-        return HostInputs((iteration, micro), text, sigmas, noise, layout)
+        text_kv = self.text_kv.gather(text) if self.text_kv is not None else None
+        return HostInputs((iteration, micro), text, sigmas, noise, layout, text_kv)
 
     def _micro_batch(self, iteration: int, micro: int) -> tuple[int, torch.Tensor]:
         """Encode, noise, forward and backward one packed micro-batch; returns (samples, the loss as a 0-d tensor).
@@ -1001,12 +1050,16 @@ class CosmosSFT(skeleton.Recipe):
             impl=self.cfg.onecard.attention, layout=host.layout,
             ids_device=torch.device("cpu") if self.host_tables is not None else None,
         )
+        if self.text_kv is not None:  # lever: this micro-batch's cached text keys and values, from pinned memory
+            self.text_kv.current = to_device(host.text_kv, device)
         with mem.phase("forward"):
             preds = self.model(**kwargs).sample
             loss = micro_batch_loss(preds, targets, self.cfg.onecard.loss_scale, self.ga)
         with mem.phase("backward"):
             loss.backward()
         self.proc.segments = None
+        if self.text_kv is not None:
+            self.text_kv.current = None
         if device.type != "cuda":
             self.micro_times.append(time.perf_counter() - t0)
         return len(batch), loss.detach()
@@ -1066,6 +1119,9 @@ class CosmosSFT(skeleton.Recipe):
                 "tensors": len(self.frozen.names), "device_bytes_saved": self.frozen.device_bytes_saved,
                 "host_bytes": self.frozen.host_bytes},
             latent_cache=self.cache_report,
+            text_kv_cache=None if self.text_kv is None else {
+                "captions": len(self.text_kv.rows), "tokens": self.text_kv.store.shape[2],
+                "host_bytes": self.text_kv.bytes, "prepass_s": self.text_kv.seconds},
             s_per_micro_batch_median=median(self.micro_times[self.ga:] or self.micro_times),
             ledger=summary_line(self.ledger),
             flags=self.flags,

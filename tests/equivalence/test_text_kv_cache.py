@@ -1,0 +1,355 @@
+"""The frozen text stream's keys and values from a per-caption cache (``[onecard] text_kv_cache = true``) train what
+the stock forward trains, to a stated fp32 tolerance, without running the text stream in the training forward.
+
+:mod:`cosmos_framework_ext.levers.text_kv_cache`: a pre-pass computes each caption's ``k_und`` (after ``norm_k``)
+and ``v_und`` per layer once; each micro-batch gathers its samples' rows, and the decoder layers run the vision
+stream alone with them.
+
+- **The cached values are the training forward's own** (CPU, tiny preset, fp32, packed micro-batches of 3 and 5
+  samples, the pre-pass packing the captions differently): equal to the keys and values the stock forward computes
+  inside each layer within ``KV_RTOL`` of their largest value.
+- **Trains the same** (the loss and every trainable gradient against the stock forward without the lever, within
+  ``RTOL`` of their largest value; dense, block-sparse and variable-length attention; eager and each layer compiled
+  with ``aot_eager``; every layer checkpointed as diffusers does, selectively 1 of 2, none), and with inductor on the
+  CPU over three packed lengths: no graph compiled after the first micro-batch.
+- **Anchor:** diffusers' own model, untouched (its ``Cosmos3AttnProcessor``, no packing, no lever), on a one-sample
+  micro-batch.
+- **The work it removes:** with the lever no text-stream module runs in the training forward (forward hooks), while
+  the vision stream's and ``k_norm_und_for_gen`` still do and the latter still gets its gradient.
+- **Where it must not run:** a trainable text-stream weight or ``embed_tokens`` is refused (recipe check and at each
+  call); a text the pre-pass did not see is refused; the pre-pass refuses to run with a micro-batch's K/V installed.
+
+Planted: the rows of a micro-batch gathered in another sample order, each layer handed the previous layer's keys and
+values, and cached keys that skip ``k_norm_und_for_gen`` each break the agreement.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosmos_framework_ext.levers import text_kv_cache as K
+from cosmos_framework_ext.levers.compile_blocks import compile_blocks
+from cosmos_framework_ext.levers.selective_ac import ATTENTION_OPS, apply_selective_checkpointing
+from cosmos_framework_ext.recipe import attention
+from cosmos_framework_ext.recipe.attention import PackedAttnProcessor, build_packed_inputs
+from cosmos_framework_ext.recipe.presets import build_transformer, get_preset
+from tests.equivalence import tiny_recipe as R
+from tests.equivalence.test_compile_blocks import compile_count
+from tests.test_train import env  # noqa: F401 - the fixture (dataset, output root, no checkpoint paths)
+
+KV_RTOL = 1e-6
+"""Cached keys and values against the training forward's own, relative to their largest value (fp32: the pre-pass
+packs the captions into other matmul row counts and attention calls)."""
+RTOL = 1e-5
+"""The loss and each gradient against the stock forward's, relative to its largest value (fp32)."""
+N_SAMPLES = (3, 5)
+TEXT_MODULES = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.to_q", "self_attn.to_k",
+                "self_attn.to_v", "self_attn.to_out")
+
+
+def _model(ac: str = "none", lever: bool = True, compiled: bool = False, backend: str = "aot_eager",
+           cache_cls: type = K.TextKVCache):
+    """The tiny model with ``ac`` checkpointing (``"full"``, ``"selective-1"``, ``"none"``), the lever installed
+    (its cache returned) or not, optionally each layer compiled."""
+    model, _ = R.make_model()
+    if ac == "full":
+        model.enable_gradient_checkpointing()
+    elif ac == "selective-1":
+        apply_selective_checkpointing(model, ATTENTION_OPS, layers=1)
+    cache = None
+    if lever:
+        t = get_preset("tiny").transformer
+        cache = cache_cls(len(model.layers), t["num_key_value_heads"] * t["head_dim"], torch.float32)
+        K.use_text_kv_cache(model, cache)
+    if compiled:
+        compile_blocks(model, backend=backend)
+    return model, cache
+
+
+def _forward_inputs(model, impl: str):
+    """The pre-pass's micro-batch builder: each text with a one-token stand-in latent (as the trainer's)."""
+    p, c = model.config.latent_patch_size, model.config.latent_channel
+
+    def build(texts):
+        latents = [torch.zeros(1, c, 1, p, p) for _ in texts]
+        return build_packed_inputs(model.config, texts, latents, torch.full((len(texts),), 0.5),
+                                   [model.config.base_fps] * len(texts), "cpu", impl=impl, block=16)
+    return build
+
+
+def _texts(n: int) -> list[list[int]]:
+    return [s[0] for s in R.micro_batch(n, 0, n_samples=n)]
+
+
+def _fill(model, cache, impl: str = "dense") -> None:
+    """The pre-pass over every text of the proof's micro-batches, in another order than any micro-batch's (so the
+    cached rows come from other packings)."""
+    texts = [t for n in N_SAMPLES for t in _texts(n)][::-1]
+    cache.fill(model, model.layers[0].self_attn.processor, texts, _forward_inputs(model, impl))
+
+
+def _step(model, cache, impl: str, n: int):
+    """One packed step of micro-batch ``n`` (``R.packed_step``), with the cached K/V installed when ``cache``."""
+    if cache is not None:
+        cache.current = cache.gather(_texts(n))
+    try:
+        return R.packed_step(model, R.micro_batch(n, 0, n_samples=n), impl)
+    finally:
+        if cache is not None:
+            cache.current = None
+
+
+def _worst(a, b) -> float:
+    """Largest difference of the losses and gradients of two steps, relative to each tensor's largest value; inf when
+    a gradient is missing."""
+    (la, ga), (lb, gb) = a, b
+    if len(ga) != len(gb) or not ga:
+        return float("inf")
+    worst = float((la - lb).abs() / lb.abs())
+    for x, y in zip(ga, gb):
+        worst = max(worst, float((x - y).abs().max() / y.abs().max()))
+    return worst
+
+
+def _agrees(stock, lever, cache, impl: str = "dense") -> float:
+    _fill(lever, cache, impl)
+    return max(_worst(_step(lever, cache, impl, n), _step(stock, None, impl, n)) for n in N_SAMPLES)
+
+
+# ------------------------------------------------------------------------------------------------ the values
+def _forward_kv(model, n: int) -> torch.Tensor:
+    """``[layers, 2, und_len, kv_dim]``: the keys (after ``norm_k``) and values the stock forward computes for micro-batch
+    ``n``, read by hooks."""
+    got = [[None, None] for _ in model.layers]
+    hooks = [m.register_forward_hook(lambda _m, _i, out, i=i, j=j: got[i].__setitem__(j, out.detach().flatten(1)))
+             for i, layer in enumerate(model.layers)
+             for j, m in enumerate((layer.self_attn.norm_k, layer.self_attn.to_v))]
+    try:
+        _step(model, None, "dense", n)
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack([torch.stack(pair) for pair in got])
+
+
+def test_the_cached_values_are_the_training_forwards_own():
+    stock, _ = _model(lever=False)
+    lever, cache = _model()
+    _fill(lever, cache)
+    for n in N_SAMPLES:
+        want = _forward_kv(stock, n)
+        got = cache.gather(_texts(n))
+        assert got.shape == want.shape == (2, 2, sum(len(t) for t in _texts(n)), 32)
+        assert (got - want).abs().max() <= KV_RTOL * want.abs().max()
+    assert len(cache.rows) == sum(N_SAMPLES) and cache.bytes == cache.store.numel() * 4
+
+
+def test_the_pre_pass_skips_texts_it_has():
+    lever, cache = _model()
+    _fill(lever, cache)
+    before = cache.store.clone()
+    assert cache.fill(lever, lever.layers[0].self_attn.processor, _texts(3), _forward_inputs(lever, "dense")) == 0
+    assert torch.equal(cache.store, before)
+
+
+# ------------------------------------------------------------------------------------------------ training
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-aot_eager"])
+@pytest.mark.parametrize("impl", ["dense", "flex", "varlen"])
+@pytest.mark.parametrize("ac", ["full", "selective-1", "none"])
+def test_the_cached_text_stream_trains_the_same(ac, impl, compiled):
+    torch._dynamo.reset()
+    stock, _ = _model(ac, lever=False, compiled=compiled)
+    lever, cache = _model(ac, compiled=compiled)
+    assert _agrees(stock, lever, cache, impl) <= RTOL
+
+
+def test_inductor_on_the_cpu_compiles_nothing_after_the_first_micro_batch(tmp_path, monkeypatch):
+    """Inductor (the GPU's backend) on the CPU, selective checkpointing of 1 of 2 layers, three packed lengths: the
+    cached keys and values, views at other offsets of one tensor each micro-batch, cost no recompile."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    stock, _ = _model("selective-1", lever=False)
+    lever, cache = _model("selective-1", compiled=True, backend="inductor")
+    _fill(lever, cache)
+    counts = []
+    for n in (3, 5, 4):
+        before = compile_count()
+        got = _step(lever, cache, "dense", n) if n != 4 else None
+        if n == 4:  # a length the pre-pass did not see: filled now, then trained
+            cache.fill(lever, lever.layers[0].self_attn.processor, _texts(4), _forward_inputs(lever, "dense"))
+            before = compile_count()
+            got = _step(lever, cache, "dense", n)
+        counts.append(compile_count() - before)
+        assert _worst(got, _step(stock, None, "dense", n)) <= RTOL
+    assert counts[0] > 0 and counts[1:] == [0, 0], counts
+
+
+def test_agrees_with_diffusers_own_forward():
+    """The anchor: diffusers' model as it ships (its processor, no packing, no lever), one sample per micro-batch."""
+    torch.manual_seed(0)
+    plain = build_transformer(get_preset("tiny"))
+    names = set(R.make_model()[1])
+    for n, p in plain.named_parameters():
+        p.requires_grad_(n in names)
+    lever, cache = _model()
+    lever.load_state_dict(plain.state_dict())
+    samples = R.micro_batch(3, 0, n_samples=1)
+    cache.fill(lever, lever.layers[0].self_attn.processor, [samples[0][0]], _forward_inputs(lever, "dense"))
+    cache.current = cache.gather([samples[0][0]])
+    ll, gl = R.packed_step(lever, samples)
+    cache.current = None
+    lp, gp = R.packed_step(plain, samples)
+    assert _worst((ll, gl), (lp, gp)) <= RTOL
+
+
+# ------------------------------------------------------------------------------------------------ the work removed
+def test_no_text_stream_module_runs_in_the_training_forward():
+    lever, cache = _model()
+    _fill(lever, cache)
+    calls = {"text": 0, "vision": 0}
+    for layer in lever.layers:
+        for name in TEXT_MODULES:
+            layer.get_submodule(name).register_forward_hook(lambda *a: calls.__setitem__("text", calls["text"] + 1))
+        for name in ("mlp_moe_gen", "self_attn.add_q_proj", "self_attn.k_norm_und_for_gen"):
+            layer.get_submodule(name).register_forward_hook(lambda *a: calls.__setitem__("vision", calls["vision"] + 1))
+    _, grads = _step(lever, cache, "dense", 3)
+    # the empty text stream still passes the layer's own norms and MLP (zero rows): only those
+    assert calls["text"] == 3 * len(lever.layers) and calls["vision"] == 3 * len(lever.layers)
+    named = [n for n, p in lever.named_parameters() if p.requires_grad]
+    k_norm = [g for n, g in zip(named, grads) if "k_norm_und_for_gen" in n]
+    assert k_norm and all(g.abs().sum() > 0 for g in k_norm)
+
+
+def test_the_empty_text_stream_computes_no_rows():
+    """What the layers still call on the text side runs on zero rows: the projections and attention are skipped."""
+    lever, cache = _model()
+    _fill(lever, cache)
+    rows = []
+    for layer in lever.layers:
+        for name in TEXT_MODULES:
+            layer.get_submodule(name).register_forward_hook(lambda _m, inp, _o: rows.append(inp[0].shape[0]))
+    _step(lever, cache, "dense", 5)
+    assert rows and set(rows) == {0}
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def test_a_trainable_text_stream_weight_is_refused():
+    K.check_text_kv_cache(False, ["embed_tokens.weight"])  # off: nothing to refuse
+    K.check_text_kv_cache(True, ["layers.0.mlp_moe_gen.up_proj.weight", "layers.1.self_attn.k_norm_und_for_gen.weight"])
+    for name in ("embed_tokens.weight", "norm.weight", "layers.1.self_attn.to_q.weight", "layers.0.mlp.up_proj.weight",
+                 "layers.0.input_layernorm.weight", "layers.0.self_attn.norm_k.weight"):
+        with pytest.raises(ValueError, match=f"{name} trains.*text_kv_cache = false"):
+            K.check_text_kv_cache(True, ["moe_gen.x", name])
+
+
+def test_a_weight_unfrozen_after_the_check_is_refused_at_the_call():
+    lever, cache = _model()
+    _fill(lever, cache)
+    lever.layers[1].self_attn.to_v.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="layers.1.self_attn.to_v.weight requires a gradient"):
+        _step(lever, cache, "dense", 3)
+
+
+def test_unseen_texts_and_a_busy_cache_are_refused():
+    lever, cache = _model()
+    with pytest.raises(KeyError, match="not in the pre-pass"):
+        cache.gather(_texts(3))
+    _fill(lever, cache)
+    cache.current = cache.gather(_texts(3))
+    with pytest.raises(RuntimeError, match="K/V installed"):
+        cache.fill(lever, lever.layers[0].self_attn.processor, [[1, 2]], _forward_inputs(lever, "dense"))
+    cache.current = cache.gather(_texts(5))  # another micro-batch's K/V: the wrong text length
+    with pytest.raises(RuntimeError, match="text tokens"):
+        R.packed_step(lever, R.micro_batch(3, 0, n_samples=3))
+    with pytest.raises(TypeError, match="Cosmos3OmniTransformer"):
+        K.use_text_kv_cache(torch.nn.Linear(2, 2), cache)
+
+
+def test_the_stack_runs_stock_without_a_micro_batch_installed():
+    stock, _ = _model(lever=False)
+    lever, cache = _model()
+    a, b = _step(stock, None, "dense", 3), _step(lever, None, "dense", 3)
+    assert torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+# ------------------------------------------------------------------------------------------------ planted
+class _ReorderedCache(K.TextKVCache):
+    """Planted: the micro-batch's rows gathered in another sample order."""
+
+    def gather(self, texts):
+        return super().gather(list(texts)[::-1])
+
+
+class _PreviousLayerCache(K.TextKVCache):
+    """Planted: each layer handed the previous layer's keys and values."""
+
+    def gather(self, texts):
+        return super().gather(texts).roll(1, dims=0)
+
+
+@pytest.mark.parametrize("cls", [_ReorderedCache, _PreviousLayerCache], ids=["reordered", "previous-layer"])
+def test_planted_wrong_rows_break_the_agreement(cls):
+    stock, _ = _model(lever=False)
+    lever, cache = _model(cache_cls=cls)
+    assert _agrees(stock, lever, cache) > RTOL
+
+
+def test_planted_keys_without_their_vision_norm_break_the_agreement(monkeypatch):
+    stock, _ = _model(lever=False)
+    lever, cache = _model()
+    _fill(lever, cache)
+    want = [_step(stock, None, "dense", n) for n in N_SAMPLES]
+    plain = PackedAttnProcessor._text_keys_for_vision
+
+    def skipped(attn, k, cos, sin):  # the cached keys rotated without k_norm_und_for_gen (its weight kept in the graph)
+        return plain(type("A", (), {"k_norm_und_for_gen": None})(), k, cos, sin) + 0 * attn.k_norm_und_for_gen(k)
+
+    monkeypatch.setattr(PackedAttnProcessor, "_text_keys_for_vision", staticmethod(skipped))
+    assert max(_worst(_step(lever, cache, "dense", n), w) for n, w in zip(N_SAMPLES, want)) > RTOL
+
+
+# ------------------------------------------------------------------------------------------------ the trainer
+def test_the_trainer_trains_the_same_with_the_cache(env):  # noqa: F811 - the fixture of tests.test_train
+    """The embedded trainer, CPU smoke recipe: the losses with ``text_kv_cache = true`` equal the ones without within
+    ``RTOL``, and the summary reports the cache."""
+    from cosmos_framework_ext.recipe import train
+    from tests.test_train import small_toml
+
+    def losses(value: str, sub: str):
+        toml = small_toml(env, **{"[onecard]\n": f"[onecard]\ntext_kv_cache = {value}\n"})
+        out = train.run(train.parse_args(["--sft-toml", str(toml), "--no-save"]))
+        return out
+
+    stock, lever = losses("false", "a"), losses("true", "b")
+    assert stock["text_kv_cache"] is None
+    info = lever["text_kv_cache"]
+    assert info["captions"] > 0 and info["tokens"] > 0 and info["host_bytes"] > 0
+    a, b = stock["losses"], lever["losses"]
+    assert len(a) == len(b) > 0
+    assert all(abs(x - y) <= RTOL * abs(x) for x, y in zip(a, b)), (a, b)
+
+
+def test_the_trainer_refuses_a_trainable_text_weight(env):  # noqa: F811
+    from cosmos_framework_ext.recipe import train
+    from patches.core.errors import UserError
+    from tests.test_train import small_toml
+
+    toml = small_toml(env, **{"[onecard]\n": "[onecard]\ntext_kv_cache = true\n",
+                              'keys_to_select = ["moe_gen"': 'keys_to_select = ["mlp.up_proj", "moe_gen"'})
+    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml)]))
+    with pytest.raises(UserError, match="mlp.up_proj.weight trains"):
+        recipe.preflight()
+
+
+def test_every_text_an_access_can_yield_is_listed(env):  # noqa: F811
+    """``SampleSource.all_text_ids`` holds the text of every access the loader makes (two epochs of the smoke data)."""
+    from cosmos_framework_ext.recipe import train
+    from tests.test_train import small_toml
+
+    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(small_toml(env))]))
+    recipe.preflight()
+    listed = {tuple(t) for t in recipe.source.all_text_ids()}
+    seen = {tuple(recipe.source.sample(i, e).text_ids) for e in range(6) for i in range(len(recipe.source))}
+    assert seen <= listed
+    assert any(recipe.source.sample(i, e).caption_dropped for e in range(6) for i in range(len(recipe.source)))
