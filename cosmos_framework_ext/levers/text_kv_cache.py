@@ -117,6 +117,9 @@ class TextKVCache:
         self.store = torch.empty(layers, 2, 0, kv_dim, dtype=dtype)
         self.current: torch.Tensor | None = None
         self.seconds = 0.0
+        """Seconds the pre-pass took (every :meth:`fill`)."""
+        self.micro_batches = 0
+        """Forwards whose decoder stack ran from the cache (:func:`use_text_kv_cache`)."""
 
     @property
     def bytes(self) -> int:
@@ -273,6 +276,7 @@ def use_text_kv_cache(model: torch.nn.Module, cache: TextKVCache) -> None:
             raise RuntimeError(f"text_kv_cache: K/V of shape {tuple(kv.shape)} for {len(layers)} layers and "
                                f"{und_seq.shape[0]} text tokens")
         empty = und_seq[:0]
+        cache.micro_batches += 1
         checkpointed = torch.is_grad_enabled() and model.gradient_checkpointing
         for i, layer in enumerate(layers):
             attn = layer.self_attn

@@ -1121,7 +1121,8 @@ class CosmosSFT(skeleton.Recipe):
             latent_cache=self.cache_report,
             text_kv_cache=None if self.text_kv is None else {
                 "captions": len(self.text_kv.rows), "tokens": self.text_kv.store.shape[2],
-                "host_bytes": self.text_kv.bytes, "prepass_s": self.text_kv.seconds},
+                "host_bytes": self.text_kv.bytes, "prepass_s": self.text_kv.seconds,
+                "micro_batches": self.text_kv.micro_batches},
             s_per_micro_batch_median=median(self.micro_times[self.ga:] or self.micro_times),
             ledger=summary_line(self.ledger),
             flags=self.flags,

@@ -325,6 +325,7 @@ def test_the_trainer_trains_the_same_with_the_cache(env):  # noqa: F811 - the fi
     assert stock["text_kv_cache"] is None
     info = lever["text_kv_cache"]
     assert info["captions"] > 0 and info["tokens"] > 0 and info["host_bytes"] > 0
+    assert info["micro_batches"] == lever["steps"] * 1 > 0  # every micro-batch's stack ran from the cache (ga 1)
     a, b = stock["losses"], lever["losses"]
     assert len(a) == len(b) > 0
     assert all(abs(x - y) <= RTOL * abs(x) for x, y in zip(a, b)), (a, b)
@@ -353,3 +354,21 @@ def test_every_text_an_access_can_yield_is_listed(env):  # noqa: F811
     seen = {tuple(recipe.source.sample(i, e).text_ids) for e in range(6) for i in range(len(recipe.source))}
     assert seen <= listed
     assert any(recipe.source.sample(i, e).caption_dropped for e in range(6) for i in range(len(recipe.source)))
+
+
+def test_the_ledger_prices_the_cache_on_the_host():
+    from cosmos_framework_ext.recipe import config as cfgmod
+    from cosmos_framework_ext.recipe.ledger import TEXT_KV_IN_FLIGHT, cosmos_ledger
+
+    def items(on: bool, keys=("moe_gen",), tokens=None):
+        cfg = cfgmod.from_dict({"optimizer": {"keys_to_select": list(keys)}, "onecard": {"text_kv_cache": on}})
+        return {i.name: i for i in cosmos_ledger(cfg, "edge", {}, text_tokens=tokens).items}
+
+    assert "text K/V cache (lever)" not in items(False)
+    assert items(True)["text K/V cache (lever)"].host_bytes == 0  # unpriced without the dataset's counts
+    line = items(True, tokens=(1000, 50))["text K/V cache (lever)"]
+    per_token = 28 * 2 * 8 * 128 * 2  # edge: layers x (k, v) x kv heads x head dim x bf16
+    assert per_token == 112 * 1024 and line.gpu_bytes == 0 and line.pinned
+    assert line.host_bytes == (1000 + TEXT_KV_IN_FLIGHT * 50) * per_token
+    with pytest.raises(ValueError, match="to_k.weight trains"):
+        items(True, keys=("moe_gen", "to_k"))
