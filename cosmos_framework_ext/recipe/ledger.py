@@ -226,7 +226,7 @@ def cosmos_ledger(
     items += acts
     items += _host_items(at, ema_on)
     if cfg.onecard.text_kv_cache:
-        items.append(_text_kv_item(at, text_tokens))
+        items += _text_kv_items(at, text_tokens)
     outside = [Item("CUDA context", CUDA_CONTEXT if at.cuda else 0, note="outside the allocator budget")]
     levers = [f.name + "=1" for f in (EMA_CPU_SUBSET, VAE_CPU_OFFLOAD, LATENT_CACHE, OPTIM_STATE_OFFLOAD, FROZEN_BF16)
               if flags.get(f.name)]
@@ -322,18 +322,19 @@ TEXT_KV_IN_FLIGHT = 3
 (:func:`patches.core.data.prefetch.prefetched`, depth 2)."""
 
 
-def _text_kv_item(at: _At, text_tokens: tuple[int, int] | None) -> Item:
-    """``[onecard] text_kv_cache``: the cache (every distinct text's keys and values, compute dtype) and the gathered
-    micro-batches in flight (pinned on a GPU run), on the host. Its GPU bytes, one micro-batch's keys and values,
+def _text_kv_items(at: _At, text_tokens: tuple[int, int] | None) -> list[Item]:
+    """``[onecard] text_kv_cache``: the cache (every distinct text's keys and values, compute dtype, pageable) and the
+    gathered micro-batches in flight (pinned on a GPU run), on the host. Its GPU bytes, one micro-batch's keys and values,
     replace the text stream's own, which the activations line prices."""
     per_token = at.c["layers"] * 2 * at.c["kv_dim"] * at.b
     if text_tokens is None:
-        return Item("text K/V cache (lever)", 0, note=f"{per_token / 1024:.0f} KiB per distinct text token: the "
-                    "trainer prices it from the dataset's captions")
+        return [Item("text K/V cache (lever)", 0, note=f"{per_token / 1024:.0f} KiB per distinct text token: the "
+                     "trainer prices it from the dataset's captions")]
     tokens, per_micro = text_tokens
-    return Item("text K/V cache (lever)", 0, tokens * per_token + TEXT_KV_IN_FLIGHT * per_micro * per_token,
-                pinned=at.cuda, note=f"{tokens:,} distinct text tokens + {TEXT_KV_IN_FLIGHT} micro-batches of about "
-                f"{per_micro:,}, {per_token / 1024:.0f} KiB each")
+    return [Item("text K/V cache (lever)", 0, tokens * per_token,
+                 note=f"{tokens:,} distinct text tokens, {per_token / 1024:.0f} KiB each, pageable"),
+            Item("text K/V micro-batches in flight (lever)", 0, TEXT_KV_IN_FLIGHT * per_micro * per_token,
+                 pinned=at.cuda, note=f"{TEXT_KV_IN_FLIGHT} gathered micro-batches of about {per_micro:,} text tokens")]
 
 
 def _host_items(at: _At, ema_on: bool) -> list[Item]:

@@ -556,8 +556,9 @@ class CosmosSFT(skeleton.Recipe):
             raise UserError(f"{src}: [onecard].cfg_dropout = {cfg.onecard.cfg_dropout} must be in [0, 1]")
 
     def _text_tokens(self) -> tuple[int, int]:
-        """For the ledger's text K/V line: (distinct text tokens of every access the loader can yield, the text tokens
-        of a micro-batch filled to the cap at the dataset's largest text share)."""
+        """For the ledger's text K/V lines: (distinct text tokens of every access the loader can yield, the text tokens
+        of a micro-batch filled to the cap at the largest text share among the rows' first-epoch accesses; an
+        estimate)."""
         texts = self.source.all_text_ids()
         tokens = sum(len(self._und_ids(t)) for t in texts)
         share = max(len(self._und_ids(self.source.sample(i, 0).text_ids)) / self.source.token_count(i, 0)
