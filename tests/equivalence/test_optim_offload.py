@@ -368,7 +368,7 @@ def _reused_block_read(lever: type[OptimStateOffload]) -> tuple[float, float]:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     x = torch.full((ps[0].numel(),), 7.0, device="cuda")  # the size of one moment: its block is the best fit
-    torch.cuda._sleep(50_000_000)
+    torch.cuda._sleep(500_000_000)  # the reader queued far behind (hundreds of ms), so an unordered copy lands first
     total = x.sum()  # queued behind the sleep; reads x's block
     del x  # freed: the compute stream may reuse the block at once (its reader is queued on the same stream)
     opt.step()
