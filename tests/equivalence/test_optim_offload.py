@@ -13,6 +13,8 @@ copy stream, no wait for a write-back, the copy without waiting for the compute 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -386,3 +388,75 @@ def test_cuda_a_reused_block_is_not_overwritten_before_its_last_reader():
 def test_cuda_planted_copy_without_waiting_is_detected():
     got, want = _reused_block_read(CopiesWithoutWaiting)
     assert got != want
+
+
+# ------------------------------------------------------------------ the stream's order, told by events (deterministic)
+GPU_SLEEP_CYCLES = 1_000_000_000
+"""``torch.cuda._sleep`` cycles queued on the compute stream first: about 0.5 s at an H100's or H200's clock, several
+times the host's part of a streamed step, so the host is far ahead of the GPU while it issues the step."""
+
+
+def _copy_done_while_compute_sleeps(lever: type[OptimStateOffload]) -> bool:
+    """Whether group 0's fetch (its copy-stream event) completes within 0.1 s while the compute stream still sleeps."""
+    ps = _big_params(2)
+    opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    off = lever(opt, group_bytes=2 * ps[0].numel() * 4, pin=True)
+    opt.step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    _, event = off._fetch(off.groups[0])
+    time.sleep(0.1)
+    done = event.query()
+    torch.cuda.synchronize()
+    return done
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_the_copy_waits_for_the_compute_streams_queued_work():
+    """A fetch's copy runs after the compute stream's work queued before it (a reused block's readers among it)."""
+    assert not _copy_done_while_compute_sleeps(OptimStateOffload)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_planted_copy_without_waiting_is_told_by_its_event():
+    assert _copy_done_while_compute_sleeps(CopiesWithoutWaiting)
+
+
+def _most_write_backs_pending(lever: type[OptimStateOffload]) -> int:
+    """A streamed step of 6 groups issued while the compute stream sleeps; returns the most write-back events still
+    pending when a group is fetched (the groups whose buffers may still be on the device, besides the two in use)."""
+    ps = _big_params(6)
+    opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    off = lever(opt, group_bytes=2 * ps[0].numel() * 4, pin=True)
+    opt.step()
+    torch.cuda.synchronize()
+    events: list = []
+    pending: list[int] = []
+    fetch, writeback = off._fetch, off._writeback
+
+    def counted_fetch(group):
+        pending.append(sum(1 for e in events if e is not None and not e.query()))
+        return fetch(group)
+
+    def kept_writeback(group, fetched):
+        events.append(writeback(group, fetched))
+        return events[-1]
+
+    off._fetch, off._writeback = counted_fetch, kept_writeback
+    torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    opt.step()
+    torch.cuda.synchronize()
+    assert len(pending) == 6 and len(events) == 6
+    return max(pending)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_a_group_is_fetched_only_once_the_write_back_two_before_it_ended():
+    """With the host far ahead, each fetch of group ``i + 1`` waits for group ``i - 2``'s write-back: at most one
+    write-back (group ``i - 1``'s) is pending, so at most three groups' buffers exist at once."""
+    assert _most_write_backs_pending(OptimStateOffload) <= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_planted_no_room_wait_is_told_by_the_pending_write_backs():
+    assert _most_write_backs_pending(NoRoomWait) > 2
