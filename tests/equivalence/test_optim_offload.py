@@ -5,10 +5,15 @@ Stock and lever run the recipe's real step (packed micro-batches, grad accumulat
 parameters, ``optimizer.state_dict()`` (keys, dtypes, values), the EMA and a saved-then-loaded checkpoint
 are ``torch.equal``. The stream groups are made tiny so that the tiny model streams in many groups.
 Planted bugs: the state streamed back through bf16, one stream group skipped -- each makes the check fail.
-On CUDA (run on the GPU): the same A/B with the fused kernel.
+On CUDA (run on the GPU): the same A/B with the fused kernel; the moments' device buffers come from the compute
+stream's pool and at most three groups' buffers exist at once with the host far ahead of the GPU; a fetched moment's
+copy waits for the compute stream's queued readers of a reused block. Planted there: the buffers allocated on the
+copy stream, no wait for a write-back, the copy without waiting for the compute stream.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -261,3 +266,197 @@ def test_cuda_fused_kernel_lever_equals_stock(tmp_path, dtype):
     assert all(st["exp_avg"].device.type == "cpu" for st in b["opt"].state.values())
     assert not _differences(a, b, tmp_path)
     assert _differences(a, _run(ThroughBf16, device="cuda", fused=True, model_fn=model_fn), tmp_path) or dtype == torch.bfloat16
+
+
+
+class AllocatesOnTheCopyStream(OptimStateOffload):
+    """Planted: the moments' device buffers allocated on the copy stream (cached there after the step)."""
+
+    def _device_buffer(self, like):
+        with torch.cuda.stream(self._h2d):
+            return torch.empty_like(like, device=self.device)
+
+
+class NoRoomWait(OptimStateOffload):
+    """Planted: the host never waits for a write-back, so every group's buffers can be on the device at once."""
+
+    @staticmethod
+    def _wait_for_room(written, i):
+        pass
+
+
+class CopiesWithoutWaiting(OptimStateOffload):
+    """Planted: the copy stream writes a fetched moment without waiting for the compute stream's queued work."""
+
+    def _fetch(self, group):
+        class NoWait(torch.cuda.ExternalStream):
+            def wait_stream(self, stream):
+                pass
+
+        real, self._h2d = self._h2d, NoWait(self._h2d.cuda_stream)
+        try:
+            return super()._fetch(group)
+        finally:
+            self._h2d = real
+
+
+def _big_params(n: int = 6, numel: int = 1 << 20) -> list[torch.nn.Parameter]:
+    """``n`` fp32 CUDA parameters of ``numel`` elements with gradients (one stream group each, at groups of
+    ``2 * numel * 4`` bytes)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(numel, device="cuda", generator=g)) for _ in range(n)]
+    for p in ps:
+        p.grad = torch.randn(numel, device="cuda", generator=g)
+    return ps
+
+
+def _segment_streams() -> set[int]:
+    """The CUDA streams that hold a segment of the caching allocator now."""
+    return {int(s["stream"]) for s in torch.cuda.memory_snapshot()}
+
+
+MOMENT_NUMEL = 3 << 20
+"""12 MiB fp32 moments: above the caching allocator's 10 MiB, each gets a segment of its exact size, so the reserved
+memory counts the buffers that exist at once, those freed but still pending on a stream's events included (the
+allocated count drops at the free, before those events)."""
+
+
+def _streamed_step_with_host_ahead(lever: type[OptimStateOffload]) -> tuple[OptimStateOffload, int, int]:
+    """A second optimizer step issued while the GPU sleeps 50 ms (the host far ahead of it); returns the lever, one
+    group's bytes and the reserved bytes the step added at its peak."""
+    ps = _big_params(numel=MOMENT_NUMEL)
+    group = 2 * ps[0].numel() * 4  # exp_avg + exp_avg_sq of one parameter
+    opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    off = lever(opt, group_bytes=group, pin=True)
+    opt.step()  # the first step initialises the state on the device, then streams it out
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda._sleep(50_000_000)
+    opt.step()
+    torch.cuda.synchronize()
+    return off, group, torch.cuda.max_memory_reserved() - base
+
+
+def _check_pool_and_bound(off: OptimStateOffload, group: int, added: int) -> None:
+    assert off.stats["steps"] == 2
+    assert _segment_streams() <= {torch.cuda.current_stream().cuda_stream, 0}, "a buffer was allocated on a side stream"
+    assert added <= 3 * group + (2 << 20), f"{added / group:.1f} groups' state on the device at once (at most 3)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_state_buffers_stay_on_the_compute_stream_and_three_groups_at_most():
+    """The moments' device buffers come from the compute stream's pool (a copy stream's cached blocks would be
+    reserved but out of reach of the activations), and at most three groups' buffers exist at once even when
+    the host runs far ahead of the GPU."""
+    _check_pool_and_bound(*_streamed_step_with_host_ahead(OptimStateOffload))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+@pytest.mark.parametrize("bug", [AllocatesOnTheCopyStream, NoRoomWait], ids=["buffers-on-the-copy-stream", "no-room-wait"])
+def test_cuda_planted_pool_and_bound_bugs_are_detected(bug):
+    with pytest.raises(AssertionError):
+        _check_pool_and_bound(*_streamed_step_with_host_ahead(bug))
+
+
+def _reused_block_read(lever: type[OptimStateOffload]) -> tuple[float, float]:
+    """A block the compute stream freed while a queued kernel still reads it, then a streamed step whose fetched
+    moment is its best fit; returns (what the kernel read, what it should read)."""
+    ps = _big_params(2)
+    opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    lever(opt, group_bytes=2 * ps[0].numel() * 4, pin=True)
+    opt.step()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    x = torch.full((ps[0].numel(),), 7.0, device="cuda")  # the size of one moment: its block is the best fit
+    torch.cuda._sleep(500_000_000)  # the reader queued far behind (hundreds of ms), so an unordered copy lands first
+    total = x.sum()  # queued behind the sleep; reads x's block
+    del x  # freed: the compute stream may reuse the block at once (its reader is queued on the same stream)
+    opt.step()
+    return total.item(), 7.0 * ps[0].numel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_a_reused_block_is_not_overwritten_before_its_last_reader():
+    """A fetched moment's copy (on the copy stream) waits for the compute stream's queued readers of its block."""
+    got, want = _reused_block_read(OptimStateOffload)
+    assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_planted_copy_without_waiting_is_detected():
+    got, want = _reused_block_read(CopiesWithoutWaiting)
+    assert got != want
+
+
+# ------------------------------------------------------------------ the stream's order, told by events (deterministic)
+GPU_SLEEP_CYCLES = 1_000_000_000
+"""``torch.cuda._sleep`` cycles queued on the compute stream first: about 0.5 s at an H100's or H200's clock, several
+times the host's part of a streamed step, so the host is far ahead of the GPU while it issues the step."""
+
+
+def _copy_done_while_compute_sleeps(lever: type[OptimStateOffload]) -> bool:
+    """Whether group 0's fetch (its copy-stream event) completes within 0.1 s while the compute stream still sleeps."""
+    ps = _big_params(2)
+    opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    off = lever(opt, group_bytes=2 * ps[0].numel() * 4, pin=True)
+    opt.step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    _, event = off._fetch(off.groups[0])
+    time.sleep(0.1)
+    done = event.query()
+    torch.cuda.synchronize()
+    return done
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_the_copy_waits_for_the_compute_streams_queued_work():
+    """A fetch's copy runs after the compute stream's work queued before it (a reused block's readers among it)."""
+    assert not _copy_done_while_compute_sleeps(OptimStateOffload)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_planted_copy_without_waiting_is_told_by_its_event():
+    assert _copy_done_while_compute_sleeps(CopiesWithoutWaiting)
+
+
+def _most_write_backs_pending(lever: type[OptimStateOffload]) -> int:
+    """A streamed step of 6 groups issued while the compute stream sleeps; returns the most write-back events still
+    pending when a group is fetched (the groups whose buffers may still be on the device, besides the two in use)."""
+    ps = _big_params(6)
+    opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+    off = lever(opt, group_bytes=2 * ps[0].numel() * 4, pin=True)
+    opt.step()
+    torch.cuda.synchronize()
+    events: list = []
+    pending: list[int] = []
+    fetch, writeback = off._fetch, off._writeback
+
+    def counted_fetch(group):
+        pending.append(sum(1 for e in events if e is not None and not e.query()))
+        return fetch(group)
+
+    def kept_writeback(group, fetched):
+        events.append(writeback(group, fetched))
+        return events[-1]
+
+    off._fetch, off._writeback = counted_fetch, kept_writeback
+    torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    opt.step()
+    torch.cuda.synchronize()
+    assert len(pending) == 6 and len(events) == 6
+    return max(pending)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_a_group_is_fetched_only_once_the_write_back_two_before_it_ended():
+    """With the host far ahead, each fetch of group ``i + 1`` waits for group ``i - 2``'s write-back: at most one
+    write-back (group ``i - 1``'s) is pending, so at most three groups' buffers exist at once."""
+    assert _most_write_backs_pending(OptimStateOffload) <= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side streams")
+def test_cuda_planted_no_room_wait_is_told_by_the_pending_write_backs():
+    assert _most_write_backs_pending(NoRoomWait) > 2
