@@ -32,11 +32,11 @@ trainable gradient within 1e-5, for dense, block-sparse and variable-length atte
 checkpointing mode; it is anchored to diffusers' own forward. Planted: rows gathered in another sample order, each
 layer handed the previous layer's keys and values, cached keys that skip ``k_norm_und_for_gen``. Only this fp32
 bound is proven; in bf16 on a GPU the losses of a benchmark run agree to the 4th decimal (no bound stated). The
-presets' ``norm_k`` is an identity (``qk_norm_for_text = false``), so the hook point after it is not told apart from
-``to_k`` by the proof.
+presets' ``norm_k`` is an identity (``qk_norm_for_text = false``); the proof also trains a tiny model whose ``norm_k``
+is an RMSNorm, which tells the hook point after it from ``to_k``.
 
 Exact only while the text stream is frozen: :func:`check_text_kv_cache` refuses a ``keys_to_select`` that trains a
-text-stream weight (``TEXT_STREAM_PARTS``) or ``embed_tokens`` (their gradients come through the text stream, which
+text-stream weight (any layer part not in ``VISION_STREAM_PARTS``), the final text ``norm`` or ``embed_tokens`` (their gradients come through the text stream, which
 no longer runs), and the wrapper re-checks at each call. The text stream's output (``norm(und_seq)``) is not
 computed: the stack returns the text rows as they entered, which the vision loss does not read
 (``vision_mse_loss_indexes`` index vision rows only).
@@ -52,14 +52,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["TEXT_STREAM_PARTS", "TextKVCache", "check_text_kv_cache", "text_stream_params", "use_text_kv_cache"]
+__all__ = ["VISION_STREAM_PARTS", "TextKVCache", "check_text_kv_cache", "text_stream_params", "use_text_kv_cache"]
 
 log = logging.getLogger("onecard.text_kv_cache")
 
-TEXT_STREAM_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn.to_q", "self_attn.to_k",
-                     "self_attn.to_v", "self_attn.to_out", "self_attn.norm_q", "self_attn.norm_k")
-"""The parts of a decoder layer (``layers.<i>.<part>``) that only the text stream passes. ``self_attn.k_norm_und_for_gen``
-is not one: the vision stream applies it to the cached keys."""
+VISION_STREAM_PARTS = ("input_layernorm_moe_gen", "post_attention_layernorm_moe_gen", "mlp_moe_gen",
+                       "self_attn.add_q_proj", "self_attn.add_k_proj", "self_attn.add_v_proj", "self_attn.to_add_out",
+                       "self_attn.norm_added_q", "self_attn.norm_added_k", "self_attn.k_norm_und_for_gen")
+"""The parts of a decoder layer (``layers.<i>.<part>``) the vision stream runs with the cache on; every other part
+of a layer is the text stream's (an allowlist: a part a later diffusers adds counts as text until listed here).
+``self_attn.k_norm_und_for_gen`` is one: the vision stream applies it to the cached keys."""
 
 _MARK = "_onecard_text_kv_cache"
 _PREPASS_BATCH_TOKENS = 4096
@@ -67,8 +69,8 @@ _PREPASS_BATCH_TOKENS = 4096
 
 
 def text_stream_params(names: Iterable[str]) -> list[str]:
-    """The names among ``names`` that only the text stream reads: ``embed_tokens.*``, ``norm.*`` (the text stream's
-    final norm) and ``layers.<i>.<part>.*`` for a part in :data:`TEXT_STREAM_PARTS`."""
+    """The names among ``names`` that the text stream reads: ``embed_tokens.*``, ``norm.*`` (the text stream's final
+    norm) and ``layers.<i>.<part>.*`` for a part not in :data:`VISION_STREAM_PARTS`."""
     out = []
     for n in names:
         head = n.split(".")
@@ -76,7 +78,7 @@ def text_stream_params(names: Iterable[str]) -> list[str]:
             out.append(n)
         elif head[0] == "layers" and len(head) > 2:
             rest = ".".join(head[2:])
-            if any(rest == p or rest.startswith(p + ".") for p in TEXT_STREAM_PARTS):
+            if not any(rest.startswith(p + ".") for p in VISION_STREAM_PARTS):
                 out.append(n)
     return out
 

@@ -375,3 +375,48 @@ def test_the_ledger_prices_the_cache_on_the_host():
     assert cache.host_bytes == 1000 * per_token and flight.host_bytes == TEXT_KV_IN_FLIGHT * 50 * per_token
     with pytest.raises(ValueError, match="to_k.weight trains"):
         items(True, keys=("moe_gen", "to_k"))
+
+
+def test_every_layer_parameter_is_the_text_or_the_vision_streams():
+    """The allowlist against the model: each layer parameter the text stream alone reads is classed as text, each one
+    the vision stream reads is not."""
+    model, _ = R.make_model()
+    names = [n for n, _ in model.named_parameters()]
+    text = set(K.text_stream_params(names))
+    for n in names:
+        part = n.split(".", 2)[2] if n.startswith("layers.") else ""
+        vision = part.startswith(("mlp_moe_gen.", "input_layernorm_moe_gen.", "post_attention_layernorm_moe_gen.",
+                                  "self_attn.add_", "self_attn.to_add_out.", "self_attn.norm_added_",
+                                  "self_attn.k_norm_und_for_gen."))
+        if n.startswith("layers."):
+            assert (n in text) != vision, n
+        else:
+            assert (n in text) == (n.split(".")[0] in ("embed_tokens", "norm")), n
+    assert any(".mlp.up_proj." in n for n in text) and "norm.weight" in text and "norm_moe_gen.weight" not in text
+
+
+def _qk_norm_model():
+    """The tiny preset with a text ``norm_k`` that is an RMSNorm (``qk_norm_for_text = true``; the model then has no
+    ``k_norm_und_for_gen``): the pre-pass must read the keys after ``norm_k``."""
+    import dataclasses
+
+    preset = get_preset("tiny")
+    preset = dataclasses.replace(preset, transformer=dict(preset.transformer, qk_norm_for_text=True,
+                                                          use_und_k_norm_for_gen=False))
+    torch.manual_seed(0)
+    model = build_transformer(preset)
+    for n, p in model.named_parameters():
+        p.requires_grad_("moe_gen" in n or "add_q_proj" in n)
+    for layer in model.layers:  # norm_k away from the identity, so that reading before it would differ
+        torch.nn.init.uniform_(layer.self_attn.norm_k.weight, 0.5, 1.5)
+    attention.install(model)
+    return model
+
+
+def test_a_text_key_norm_is_read_after_it():
+    stock, lever = _qk_norm_model(), _qk_norm_model()
+    assert lever.layers[0].self_attn.k_norm_und_for_gen is None
+    t = get_preset("tiny").transformer
+    cache = K.TextKVCache(len(lever.layers), t["num_key_value_heads"] * t["head_dim"], torch.float32)
+    K.use_text_kv_cache(lever, cache)
+    assert _agrees(stock, lever, cache) <= RTOL
