@@ -420,3 +420,25 @@ def test_a_text_key_norm_is_read_after_it():
     cache = K.TextKVCache(len(lever.layers), t["num_key_value_heads"] * t["head_dim"], torch.float32)
     K.use_text_kv_cache(lever, cache)
     assert _agrees(stock, lever, cache) <= RTOL
+
+
+def test_the_pre_pass_sees_the_warm_started_weights(env, monkeypatch):  # noqa: F811
+    """A base checkpoint whose text-stream weights differ from the seeded init: the losses with the cache equal the
+    ones without (the pre-pass runs after the warm start; run before it, the cache would hold the init's keys)."""
+    from cosmos_framework_ext.recipe import train
+    from tests.test_train import small_toml
+
+    torch.manual_seed(123)
+    base = build_transformer(get_preset("tiny"))
+    text = set(K.text_stream_params(n for n, _ in base.named_parameters()))
+    state = {f"net.{k}": (v * 1.5 if k in text else v) for k, v in base.state_dict().items()}
+    torch.save({"model": state}, env / "base.pt")
+    monkeypatch.setenv("BASE_CHECKPOINT_PATH", str(env / "base.pt"))
+
+    def run(value: str):
+        toml = small_toml(env, **{"[onecard]\n": f"[onecard]\ntext_kv_cache = {value}\n"})
+        return train.run(train.parse_args(["--sft-toml", str(toml), "--no-save"]))["losses"]
+
+    a, b = run("false"), run("true")
+    assert len(a) == len(b) > 0
+    assert all(abs(x - y) <= RTOL * abs(x) for x, y in zip(a, b)), (a, b)
