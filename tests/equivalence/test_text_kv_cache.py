@@ -442,3 +442,16 @@ def test_the_pre_pass_sees_the_warm_started_weights(env, monkeypatch):  # noqa: 
     a, b = run("false"), run("true")
     assert len(a) == len(b) > 0
     assert all(abs(x - y) <= RTOL * abs(x) for x, y in zip(a, b)), (a, b)
+
+
+def test_fsdp2_at_one_rank_trains_the_same():
+    """FSDP2 per decoder layer and at the root (one gloo rank, as upstream shards even one GPU): the pre-pass runs the
+    sharded layers through their hooks, and the cached step agrees with the sharded stock step."""
+    with R.one_rank():
+        stock, _ = R.make_fsdp_model()
+        lever, _ = R.make_fsdp_model()
+        t = get_preset("tiny").transformer
+        cache = K.TextKVCache(len(lever.layers), t["num_key_value_heads"] * t["head_dim"], torch.float32)
+        K.use_text_kv_cache(lever, cache)
+        worst = _agrees(stock, lever, cache)
+    assert worst <= RTOL
