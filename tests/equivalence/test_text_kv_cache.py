@@ -188,11 +188,7 @@ def test_inductor_on_the_cpu_compiles_nothing_after_the_first_micro_batch(tmp_pa
 
 def test_agrees_with_diffusers_own_forward():
     """The anchor: diffusers' model as it ships (its processor, no packing, no lever), one sample per micro-batch."""
-    torch.manual_seed(0)
-    plain = build_transformer(get_preset("tiny"))
-    names = set(R.make_model()[1])
-    for n, p in plain.named_parameters():
-        p.requires_grad_(n in names)
+    plain = R.plain_model()
     lever, cache = _model()
     lever.load_state_dict(plain.state_dict())
     samples = R.micro_batch(3, 0, n_samples=1)

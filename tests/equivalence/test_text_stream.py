@@ -33,7 +33,7 @@ import torch
 from cosmos_framework_ext.levers import text_stream as T
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.selective_ac import ATTENTION_OPS, apply_selective_checkpointing
-from cosmos_framework_ext.recipe.presets import build_transformer, get_preset
+from cosmos_framework_ext.recipe.presets import get_preset
 from tests.equivalence import tiny_recipe as R
 from tests.equivalence.test_checkpoint_layers import same_training
 from tests.equivalence.test_compile_blocks import _step
@@ -94,11 +94,7 @@ def test_detached_text_stream_trains_the_same_inductor_cpu(tmp_path, monkeypatch
 
 def test_agrees_with_diffusers_own_forward():
     """The anchor: diffusers' model as it ships (its processor, no packing, no lever), one sample per micro-batch."""
-    torch.manual_seed(0)
-    plain = build_transformer(get_preset("tiny"))
-    names = set(R.make_model()[1])
-    for n, p in plain.named_parameters():
-        p.requires_grad_(n in names)
+    plain = R.plain_model()
     lever = _model("none", detach=True)
     lever.load_state_dict(plain.state_dict())
     samples = R.micro_batch(3, 0, n_samples=1)

@@ -34,6 +34,17 @@ def make_model(seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.fl
     return model, trainable
 
 
+def plain_model() -> torch.nn.Module:
+    """The independent anchor: diffusers' tiny model as it ships (its own ``Cosmos3AttnProcessor``, no packing, no
+    lever), seeded as :func:`make_model`, the recipe's trainable subset marked."""
+    torch.manual_seed(0)
+    plain = build_transformer(get_preset("tiny"))
+    names = set(make_model()[1])
+    for n, p in plain.named_parameters():
+        p.requires_grad_(n in names)
+    return plain
+
+
 def micro_batch(iteration: int, micro: int, n_samples: int = 2):
     """Deterministic packed micro-batch: per sample (text ids, clean latent [1,48,T,H,W], sigma, noise)."""
     g = torch.Generator().manual_seed(1000 * iteration + micro)
