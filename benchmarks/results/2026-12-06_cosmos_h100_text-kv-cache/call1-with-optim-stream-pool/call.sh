@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
+# $SCRATCH: a scratch folder on the GPU machine (set it before running; the run used the machine's temporary folder).
 # Call 29 (branch gpu-combo: text K/V cache + optimizer-state buffers on the compute stream): V+T+host tables at auto,
 # then the same + text K/V cache (one process); the optimizer-state CUDA tests; their 3 CUDA-only mutants.
 set -u; START=$(date +%s)
-rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/.carry/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
+rm -rf $SCRATCH/site; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SCRATCH/site .whl/*.whl || exit 1
+export PYTHONPATH=$SCRATCH/site:$PWD/.carry/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=16
 ulimit -l unlimited
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 R="all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached + lookup tables on the host + variable-length attention"
 echo "rows start $(date -u +%H:%M:%S)" >> $OUT/gpu.txt
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 390 python3 benchmarks/edge_24gb.py --budget-gib 22.06 --steps 6 --warmup 3 --grad-accum 8 --only "$R,$R + text K/V cache" --out /tmp/s-rows > /tmp/rows.log 2>&1
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 390 python3 benchmarks/edge_24gb.py --budget-gib 22.06 --steps 6 --warmup 3 --grad-accum 8 --only "$R,$R + text K/V cache" --out $SCRATCH/s-rows > $SCRATCH/rows.log 2>&1
 echo "rows rc=$? $(( $(date +%s) - START )) s" | tee -a $OUT/gpu.txt
-grep -E "loss=|onecard: text K/V" /tmp/rows.log | cut -c1-300 > $OUT/rows_losses.txt
-grep "^{\"config\"" /tmp/rows.log > $OUT/rows.jsonl; cp /tmp/s-rows/*.md /tmp/s-rows/*.json $OUT/ 2>/dev/null; tail -40 /tmp/rows.log > $OUT/rows_tail.txt
-grep "^| all" /tmp/s-rows/*.md | cut -c1-400
+grep -E "loss=|onecard: text K/V" $SCRATCH/rows.log | cut -c1-300 > $OUT/rows_losses.txt
+grep "^{\"config\"" $SCRATCH/rows.log > $OUT/rows.jsonl; cp $SCRATCH/s-rows/*.md $SCRATCH/s-rows/*.json $OUT/ 2>/dev/null; tail -40 $SCRATCH/rows.log > $OUT/rows_tail.txt
+grep "^| all" $SCRATCH/s-rows/*.md | cut -c1-400
 left=$(( 585 - ($(date +%s) - START) )); [ $left -gt 100 ] && { timeout 90 python3 -m pytest -q -s -p no:cacheprovider tests/equivalence/test_optim_offload.py -k cuda 2>&1 | grep -v "Warning\|warn\|^  \|^W1" | tail -25 > $OUT/optim_cuda_tests.txt; echo "optim tests rc=${PIPESTATUS[0]} $(( $(date +%s) - START )) s" | tee -a $OUT/gpu.txt; tail -3 $OUT/optim_cuda_tests.txt; }
 left=$(( 590 - ($(date +%s) - START) )); [ $left -gt 60 ] && { timeout $left python3 tests/mutation/run.py --cuda --no-baseline --jobs 3 --only optim-buffers-on-the-copy-stream optim-copy-without-waiting optim-no-room-wait > $OUT/optim_cuda_mutants.txt 2>&1; echo "mutants rc=$? $(( $(date +%s) - START )) s" | tee -a $OUT/gpu.txt; tail -5 $OUT/optim_cuda_mutants.txt; }
 echo "total $(( $(date +%s) - START )) s" >> $OUT/gpu.txt
