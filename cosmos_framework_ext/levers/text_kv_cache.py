@@ -137,8 +137,9 @@ class TextKVCache:
 
     def line(self) -> str:
         """One line for the log: captions, tokens, GiB on the host, pre-pass seconds."""
-        return (f"text K/V cache: {len(self.rows)} captions, {self.store.shape[2]} tokens, "
-                f"{self.bytes / 2**30:.2f} GiB on the host, pre-pass {self.seconds:.1f} s")
+        size = f"{self.bytes / 2**30:.2f} GiB" if self.bytes >= 2**30 else f"{self.bytes / 2**20:.1f} MiB"
+        return (f"text K/V cache: {len(self.rows)} captions, {self.store.shape[2]} tokens, {size} on the host, "
+                f"pre-pass {self.seconds:.1f} s")
 
     def fill(self, model: torch.nn.Module, proc: Any, texts: Iterable[Sequence[int]],
              forward_inputs: Callable[[list[list[int]]], tuple[dict[str, Any], Any]],

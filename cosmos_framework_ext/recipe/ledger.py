@@ -328,11 +328,11 @@ def _text_kv_items(at: _At, text_tokens: tuple[int, int] | None) -> list[Item]:
     replace the text stream's own, which the activations line prices."""
     per_token = at.c["layers"] * 2 * at.c["kv_dim"] * at.b
     if text_tokens is None:
-        return [Item("text K/V cache (lever)", 0, note=f"{per_token / 1024:.0f} KiB per distinct text token: the "
+        return [Item("text K/V cache (lever)", 0, note=f"{per_token / 1024:.1f} KiB per distinct text token: the "
                      "trainer prices it from the dataset's captions")]
     tokens, per_micro = text_tokens
     return [Item("text K/V cache (lever)", 0, tokens * per_token,
-                 note=f"{tokens:,} distinct text tokens, {per_token / 1024:.0f} KiB each, pageable"),
+                 note=f"{tokens:,} distinct text tokens, {per_token / 1024:.1f} KiB each, pageable"),
             Item("text K/V micro-batches in flight (lever)", 0, TEXT_KV_IN_FLIGHT * per_micro * per_token,
                  pinned=at.cuda, note=f"{TEXT_KV_IN_FLIGHT} gathered micro-batches of about {per_micro:,} text tokens")]
 
