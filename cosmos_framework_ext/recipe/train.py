@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import functools
 import json
 import math
 import logging
@@ -63,7 +64,7 @@ from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
-from cosmos_framework_ext.levers.text_kv_cache import TextKVCache, check_text_kv_cache, use_text_kv_cache
+from cosmos_framework_ext.levers.text_kv_cache import TextKVCache, check_text_kv_cache, prepass_inputs, use_text_kv_cache
 from cosmos_framework_ext.levers.text_stream import check_text_stream, detach_text_stream, is_detached
 from cosmos_framework_ext.levers.attention_varlen import check_varlen
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
@@ -912,15 +913,9 @@ class CosmosSFT(skeleton.Recipe):
     def _fill_text_kv(self) -> None:
         """The text K/V cache's pre-pass (``[onecard] text_kv_cache``): every text the loader can yield, through the
         model as it stands now (after a warm start or a resume), each with a one-token stand-in latent."""
-        cfg, device, p = self.cfg, self.device, self.preset.transformer["latent_patch_size"]
-        c = self.preset.transformer["latent_channel"]
-
-        def forward_inputs(texts: list[list[int]]):
-            latents = [torch.zeros(1, c, 1, p, p, dtype=self.dtype, device=device) for _ in texts]
-            return attention.build_packed_inputs(
-                self.model.config, texts, latents, torch.full((len(texts),), 0.5), [self.model.config.base_fps] * len(texts),
-                device, impl=cfg.onecard.attention,
-                ids_device=torch.device("cpu") if self.host_tables is not None else None)
+        forward_inputs = functools.partial(
+            prepass_inputs, self.model.config, dtype=self.dtype, device=self.device, impl=self.cfg.onecard.attention,
+            ids_device=torch.device("cpu") if self.host_tables is not None else None)
 
         n = self.text_kv.fill(self.model, self.proc, (self._und_ids(ids) for ids in self.source.all_text_ids()),
                               forward_inputs, progress=self.main_rank)

@@ -33,7 +33,7 @@ from cosmos_framework_ext.levers import text_kv_cache as K
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.selective_ac import ATTENTION_OPS, apply_selective_checkpointing
 from cosmos_framework_ext.recipe import attention
-from cosmos_framework_ext.recipe.attention import PackedAttnProcessor, build_packed_inputs
+from cosmos_framework_ext.recipe.attention import PackedAttnProcessor
 from cosmos_framework_ext.recipe.presets import build_transformer, get_preset
 from tests.equivalence import tiny_recipe as R
 from tests.equivalence.test_compile_blocks import compile_count
@@ -69,14 +69,8 @@ def _model(ac: str = "none", lever: bool = True, compiled: bool = False, backend
 
 
 def _forward_inputs(model, impl: str):
-    """The pre-pass's micro-batch builder: each text with a one-token stand-in latent (as the trainer's)."""
-    p, c = model.config.latent_patch_size, model.config.latent_channel
-
-    def build(texts):
-        latents = [torch.zeros(1, c, 1, p, p) for _ in texts]
-        return build_packed_inputs(model.config, texts, latents, torch.full((len(texts),), 0.5),
-                                   [model.config.base_fps] * len(texts), "cpu", impl=impl, block=16)
-    return build
+    """The pre-pass's micro-batch builder: the trainer's (:func:`K.prepass_inputs`), on the CPU, flex tiles of 16."""
+    return lambda texts: K.prepass_inputs(model.config, texts, torch.float32, "cpu", impl=impl, block=16)
 
 
 def _texts(n: int) -> list[list[int]]:
