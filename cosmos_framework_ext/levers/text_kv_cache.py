@@ -52,8 +52,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["VISION_STREAM_PARTS", "TextKVCache", "check_text_kv_cache", "prepass_inputs", "text_stream_params",
-           "use_text_kv_cache"]
+__all__ = ["VISION_STREAM_PARTS", "TextKVCache", "check_text_kv_cache", "text_stream_params", "use_text_kv_cache"]
 
 log = logging.getLogger("onecard.text_kv_cache")
 
@@ -103,23 +102,6 @@ def check_text_kv_cache(on: bool, trainable: list[str]) -> None:
                          "changes at every step: drop it from keys_to_select or set text_kv_cache = false")
 
 
-def prepass_inputs(model_config: Any, texts: list[list[int]], dtype: torch.dtype, device: torch.device | str,
-                   impl: str = "dense", block: int | None = None,
-                   ids_device: torch.device | None = None) -> tuple[dict[str, Any], Any]:
-    """One pre-pass micro-batch: ``texts`` packed as the trainer packs samples
-    (:func:`~cosmos_framework_ext.recipe.attention.build_packed_inputs`), each with a one-token stand-in latent
-    (zeros ``[1, latent_channel, 1, p, p]`` in ``dtype``, sigma 0.5, the base fps). The text stream does not read the
-    vision tokens, so its keys and values are the caption's. Returns the forward kwargs and the processor's
-    segments."""
-    from cosmos_framework_ext.recipe.attention import build_packed_inputs
-
-    p, c = model_config.latent_patch_size, model_config.latent_channel
-    latents = [torch.zeros(1, c, 1, p, p, dtype=dtype, device=device) for _ in texts]
-    return build_packed_inputs(model_config, texts, latents, torch.full((len(texts),), 0.5),
-                               [model_config.base_fps] * len(texts), device, impl=impl, block=block,
-                               ids_device=ids_device)
-
-
 class TextKVCache:
     """Per distinct token-id list: every decoder layer's ``k_und`` and ``v_und`` in host memory.
 
@@ -166,8 +148,8 @@ class TextKVCache:
 
         The model's own forward runs (no grad, eager: ``torch.compiler.set_stance("force_eager")``) over packed
         micro-batches of up to :data:`_PREPASS_BATCH_TOKENS` text tokens, built by ``forward_inputs`` (a list of
-        token-id lists -> forward kwargs and the processor's segments: :func:`prepass_inputs` bound to the run's
-        settings);
+        token-id lists -> forward kwargs and the processor's segments: the trainer binds
+        :func:`cosmos_framework_ext.recipe.attention.prepass_inputs` to the run's settings);
         forward hooks on each layer's ``self_attn.norm_k`` and ``self_attn.to_v`` read the text rows.
 
         Raises:

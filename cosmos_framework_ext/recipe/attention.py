@@ -298,3 +298,18 @@ def build_packed_inputs(
         return kwargs, BlockSparseSegments(und_segments, gen_segments, block or DEFAULT_BLOCK,
                                            n_segments=len(text_ids))
     return kwargs, PackedSegments(und_segments, gen_segments)
+
+
+def prepass_inputs(model_config: Any, texts: list[list[int]], dtype: torch.dtype, device: torch.device | str,
+                   impl: str = "dense", block: int | None = None,
+                   ids_device: torch.device | None = None) -> tuple[dict[str, Any], Any]:
+    """One micro-batch of the text K/V cache's pre-pass (:mod:`cosmos_framework_ext.levers.text_kv_cache`): ``texts``
+    packed as the trainer packs samples (:func:`build_packed_inputs`), each with a one-token stand-in latent
+    (zeros ``[1, latent_channel, 1, p, p]`` in ``dtype``, sigma 0.5, the base fps). The text stream does not read the
+    vision tokens, so its keys and values are the caption's. Returns the forward kwargs and the processor's
+    segments."""
+    p, c = model_config.latent_patch_size, model_config.latent_channel
+    latents = [torch.zeros(1, c, 1, p, p, dtype=dtype, device=device) for _ in texts]
+    return build_packed_inputs(model_config, texts, latents, torch.full((len(texts),), 0.5),
+                               [model_config.base_fps] * len(texts), device, impl=impl, block=block,
+                               ids_device=ids_device)

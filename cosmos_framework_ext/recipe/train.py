@@ -64,7 +64,7 @@ from cosmos_framework_ext.levers import packing
 from cosmos_framework_ext.levers.ema import EMA, canonical_name, power_ema_beta, power_ema_gamma
 from cosmos_framework_ext.levers.compile_blocks import compile_blocks
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings, park_lookup_tables
-from cosmos_framework_ext.levers.text_kv_cache import TextKVCache, check_text_kv_cache, prepass_inputs, use_text_kv_cache
+from cosmos_framework_ext.levers.text_kv_cache import TextKVCache, check_text_kv_cache, use_text_kv_cache
 from cosmos_framework_ext.levers.text_stream import check_text_stream, detach_text_stream, is_detached
 from cosmos_framework_ext.levers.attention_varlen import check_varlen
 from cosmos_framework_ext.levers.selective_ac import apply_selective_checkpointing
@@ -914,7 +914,7 @@ class CosmosSFT(skeleton.Recipe):
         """The text K/V cache's pre-pass (``[onecard] text_kv_cache``): every text the loader can yield, through the
         model as it stands now (after a warm start or a resume), each with a one-token stand-in latent."""
         forward_inputs = functools.partial(
-            prepass_inputs, self.model.config, dtype=self.dtype, device=self.device, impl=self.cfg.onecard.attention,
+            attention.prepass_inputs, self.model.config, dtype=self.dtype, device=self.device, impl=self.cfg.onecard.attention,
             ids_device=torch.device("cpu") if self.host_tables is not None else None)
 
         n = self.text_kv.fill(self.model, self.proc, (self._und_ids(ids) for ids in self.source.all_text_ids()),

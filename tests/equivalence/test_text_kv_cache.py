@@ -69,8 +69,9 @@ def _model(ac: str = "none", lever: bool = True, compiled: bool = False, backend
 
 
 def _forward_inputs(model, impl: str):
-    """The pre-pass's micro-batch builder: the trainer's (:func:`K.prepass_inputs`), on the CPU, flex tiles of 16."""
-    return lambda texts: K.prepass_inputs(model.config, texts, torch.float32, "cpu", impl=impl, block=16)
+    """The pre-pass's micro-batch builder: the trainer's (:func:`attention.prepass_inputs`), on the CPU, flex tiles of
+    16."""
+    return lambda texts: attention.prepass_inputs(model.config, texts, torch.float32, "cpu", impl=impl, block=16)
 
 
 def _texts(n: int) -> list[list[int]]:
