@@ -126,6 +126,9 @@ class TextKVCache:
         """Seconds the pre-pass took (every :meth:`fill`)."""
         self.micro_batches = 0
         """Forwards whose decoder stack ran from the cache (:func:`use_text_kv_cache`)."""
+        self.prepass_peak_bytes: int | None = None
+        """The GPU's allocated peak during the last pre-pass that computed something, bytes (set by the trainer on
+        a GPU run; ``None`` on the CPU)."""
 
     @property
     def bytes(self) -> int:
@@ -136,10 +139,12 @@ class TextKVCache:
         return tuple(ids) in self.rows
 
     def line(self) -> str:
-        """One line for the log: captions, tokens, GiB on the host, pre-pass seconds."""
+        """One line for the log: captions, tokens, GiB on the host, pre-pass seconds (and its GPU peak, where
+        measured)."""
         size = f"{self.bytes / 2**30:.2f} GiB" if self.bytes >= 2**30 else f"{self.bytes / 2**20:.1f} MiB"
+        peak = f", GPU peak {self.prepass_peak_bytes / 2**30:.2f} GiB" if self.prepass_peak_bytes is not None else ""
         return (f"text K/V cache: {len(self.rows)} captions, {self.store.shape[2]} tokens, {size} on the host, "
-                f"pre-pass {self.seconds:.1f} s")
+                f"pre-pass {self.seconds:.1f} s{peak}")
 
     def fill(self, model: torch.nn.Module, proc: Any, texts: Iterable[Sequence[int]],
              forward_inputs: Callable[[list[list[int]]], tuple[dict[str, Any], Any]],

@@ -51,7 +51,7 @@ from patches.core.checkpoint import CheckpointManager, gather_full_state, load_f
 from patches.core.lock import check_unlocked
 from patches.core.errors import ArgumentParser, UserError, cli
 from patches.core.host_arena import pinned_bytes_total
-from patches.core.runtime import GiB, host_rss, median, rank_world, stable_hash
+from patches.core.runtime import GiB, host_available, host_rss, median, rank_world, stable_hash
 from patches.core.sampler import MemorySampler
 from patches.core.summary import run_summary
 from patches.core.trainer import StepResult
@@ -566,6 +566,23 @@ class CosmosSFT(skeleton.Recipe):
                     for i in range(len(self.source)))
         return tokens, math.ceil(self.cap * share)
 
+    def _check_text_kv_host(self) -> None:
+        """Refuse a text K/V cache that cannot fit the host: the ledger's text K/V lines (the store and the micro-batches
+        in flight, priced from the dataset's captions), times the ranks on this host, against the host memory
+        available now.
+
+        Raises:
+            UserError: more than available; the message names both sizes and the fixes.
+        """
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        need = ranks * sum(i.host_bytes for i in self.ledger.items if i.name.startswith("text K/V"))
+        free = host_available()
+        if need > free:
+            each = f" ({ranks} ranks on this host, one cache each)" if ranks > 1 else ""
+            raise UserError(f"{self.cfg.source}: [onecard] text_kv_cache needs {need / GiB:.2f} GiB of host memory for "
+                            f"the captions' keys and values{each}, but {free / GiB:.2f} GiB is available: set "
+                            "text_kv_cache = false, or train on fewer or shorter captions, or free host memory")
+
     def _print_plan(self) -> None:
         """The run's one-line plan and its memory ledger (rank 0)."""
         dev = self.device
@@ -577,6 +594,8 @@ class CosmosSFT(skeleton.Recipe):
                                     device_type=dev.type, cap=self.cap, grad_accum_iter=self.ga,
                                     checkpoint_layers=self.checkpoint_layers,
                                     text_tokens=self._text_tokens() if self.cfg.onecard.text_kv_cache else None)
+        if self.cfg.onecard.text_kv_cache:
+            self._check_text_kv_host()
         if not self.main_rank:
             return
         where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (no GPU found)"
@@ -917,8 +936,13 @@ class CosmosSFT(skeleton.Recipe):
             attention.prepass_inputs, self.model.config, dtype=self.dtype, device=self.device, impl=self.cfg.onecard.attention,
             ids_device=torch.device("cpu") if self.host_tables is not None else None)
 
+        cuda = self.device.type == "cuda"
+        if cuda:  # the pre-pass's own peak (the training peak is reset after it, in _begin)
+            torch.cuda.reset_peak_memory_stats(self.device)
         n = self.text_kv.fill(self.model, self.proc, (self._und_ids(ids) for ids in self.source.all_text_ids()),
                               forward_inputs, progress=self.main_rank)
+        if cuda and n:
+            self.text_kv.prepass_peak_bytes = torch.cuda.max_memory_allocated(self.device)
         if self.main_rank and n:
             print(f"onecard: {self.text_kv.line()}", flush=True)
 
@@ -1118,7 +1142,7 @@ class CosmosSFT(skeleton.Recipe):
             text_kv_cache=None if self.text_kv is None else {
                 "captions": len(self.text_kv.rows), "tokens": self.text_kv.store.shape[2],
                 "host_bytes": self.text_kv.bytes, "prepass_s": self.text_kv.seconds,
-                "micro_batches": self.text_kv.micro_batches},
+                "prepass_peak_gpu_bytes": self.text_kv.prepass_peak_bytes, "micro_batches": self.text_kv.micro_batches},
             s_per_micro_batch_median=median(self.micro_times[self.ga:] or self.micro_times),
             ledger=summary_line(self.ledger),
             flags=self.flags,

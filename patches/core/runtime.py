@@ -23,6 +23,14 @@ def host_rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def host_available() -> int:
+    """Host memory a new allocation can take without swapping, bytes (``psutil.virtual_memory().available``: Linux's
+    ``MemAvailable``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 def proc_status_kib(fields: tuple[str, ...] = ("VmLck", "VmPin", "VmRSS", "VmHWM")) -> dict[str, int]:
     """``fields`` of ``/proc/self/status`` in KiB (``VmHWM``: peak RSS; ``VmLck``/``VmPin``: locked pages) (0 for a field the kernel does not report, or off Linux)."""
     out = {f: 0 for f in fields}

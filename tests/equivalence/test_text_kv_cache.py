@@ -317,6 +317,7 @@ def test_the_trainer_trains_the_same_with_the_cache(env):  # noqa: F811 - the fi
     assert stock["text_kv_cache"] is None
     info = lever["text_kv_cache"]
     assert info["captions"] > 0 and info["tokens"] > 0 and info["host_bytes"] > 0
+    assert info["prepass_peak_gpu_bytes"] is None  # measured on a GPU only
     assert info["micro_batches"] == lever["steps"] * 1 > 0  # every micro-batch's stack ran from the cache (ga 1)
     a, b = stock["losses"], lever["losses"]
     assert len(a) == len(b) > 0
@@ -333,6 +334,42 @@ def test_the_trainer_refuses_a_trainable_text_weight(env):  # noqa: F811
     recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml)]))
     with pytest.raises(UserError, match="mlp.up_proj.weight trains"):
         recipe.preflight()
+
+
+def test_the_trainer_refuses_a_cache_the_host_cannot_hold(env, monkeypatch):  # noqa: F811
+    """Preflight: the ledger's text K/V lines, times the ranks on the host, against the host memory available; the
+    same recipe passes with room for one rank's cache and is refused with room for less, or for one of two ranks."""
+    from cosmos_framework_ext.recipe import train
+    from patches.core.errors import UserError
+    from tests.test_train import small_toml
+
+    toml = small_toml(env, **{"[onecard]\n": "[onecard]\ntext_kv_cache = true\n"})
+    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml)]))
+    monkeypatch.setattr(train, "host_available", lambda: 2**50)
+    recipe.preflight()
+    need = sum(i.host_bytes for i in recipe.ledger.items if i.name.startswith("text K/V"))
+    assert need > 0
+    monkeypatch.setattr(train, "host_available", lambda: need)
+    recipe._check_text_kv_host()  # exactly enough
+    monkeypatch.setattr(train, "host_available", lambda: need - 1)
+    with pytest.raises(UserError, match=r"text_kv_cache needs .* GiB of host memory.*text_kv_cache = false"):
+        recipe._check_text_kv_host()
+    monkeypatch.setattr(train, "host_available", lambda: 2 * need - 1)
+    recipe._check_text_kv_host()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="2 ranks on this host"):
+        recipe._check_text_kv_host()
+    monkeypatch.setattr(train, "host_available", lambda: 0)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(UserError, match="needs"):  # through preflight itself, before anything is built
+        train.CosmosSFT(train.parse_args(["--sft-toml", str(toml)])).preflight()
+
+
+def test_the_line_names_the_pre_pass_gpu_peak_where_measured():
+    cache = K.TextKVCache(2, 4, torch.float32)
+    assert "GPU peak" not in cache.line()
+    cache.prepass_peak_bytes = 3 * 2**30
+    assert cache.line().endswith("pre-pass 0.0 s, GPU peak 3.00 GiB")
 
 
 def test_every_text_an_access_can_yield_is_listed(env):  # noqa: F811
