@@ -324,8 +324,9 @@ TEXT_KV_IN_FLIGHT = 3
 
 def _text_kv_items(at: _At, text_tokens: tuple[int, int] | None) -> list[Item]:
     """``[onecard] text_kv_cache``: the cache (every distinct text's keys and values, compute dtype, pageable) and the
-    gathered micro-batches in flight (pinned on a GPU run), on the host. Its GPU bytes, one micro-batch's keys and values,
-    replace the text stream's own, which the activations line prices."""
+    gathered micro-batches in flight (pinned on a GPU run), on the host; on the GPU, the next micro-batch's keys and
+    values, copied on a side stream while this one trains (:meth:`TextKVCache.upload`). The training micro-batch's
+    own replace the text stream's, which the activations line prices."""
     per_token = at.c["layers"] * 2 * at.c["kv_dim"] * at.b
     if text_tokens is None:
         return [Item("text K/V cache (lever)", 0, note=f"{per_token / 1024:.1f} KiB per distinct text token: the "
@@ -333,8 +334,10 @@ def _text_kv_items(at: _At, text_tokens: tuple[int, int] | None) -> list[Item]:
     tokens, per_micro = text_tokens
     return [Item("text K/V cache (lever)", 0, tokens * per_token,
                  note=f"{tokens:,} distinct text tokens, {per_token / 1024:.1f} KiB each, pageable"),
-            Item("text K/V micro-batches in flight (lever)", 0, TEXT_KV_IN_FLIGHT * per_micro * per_token,
-                 pinned=at.cuda, note=f"{TEXT_KV_IN_FLIGHT} gathered micro-batches of about {per_micro:,} text tokens")]
+            Item("text K/V micro-batches in flight (lever)", per_micro * per_token if at.cuda else 0,
+                 TEXT_KV_IN_FLIGHT * per_micro * per_token, pinned=at.cuda,
+                 note=f"{TEXT_KV_IN_FLIGHT} gathered micro-batches of about {per_micro:,} text tokens"
+                 + ("; the next one's copy on the GPU" if at.cuda else ""))]
 
 
 def _host_items(at: _At, ema_on: bool) -> list[Item]:

@@ -51,7 +51,7 @@ from patches.core.checkpoint import CheckpointManager, gather_full_state, load_f
 from patches.core.lock import check_unlocked
 from patches.core.errors import ArgumentParser, UserError, cli
 from patches.core.host_arena import pinned_bytes_total
-from patches.core.runtime import GiB, host_available, host_rss, median, rank_world, stable_hash
+from patches.core.runtime import GiB, agree_max, host_available, host_rss, median, rank_world, stable_hash
 from patches.core.sampler import MemorySampler
 from patches.core.summary import run_summary
 from patches.core.trainer import StepResult
@@ -300,6 +300,11 @@ def _load_vae_weights(vae: torch.nn.Module, vae_path: str) -> str:
     vae.register_to_config(**own)
     return (f"VAE weights and latents_mean/latents_std from {path}"
             + (f" (its {' and '.join(changed)} differ from the preset's)" if changed else ""))
+
+
+def _size(n: int) -> str:
+    """Bytes as GiB with two decimals, or MiB below 1 GiB."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 def _launch_world() -> int:
@@ -568,20 +573,31 @@ class CosmosSFT(skeleton.Recipe):
 
     def _check_text_kv_host(self) -> None:
         """Refuse a text K/V cache that cannot fit the host: the ledger's text K/V lines (the store and the micro-batches
-        in flight, priced from the dataset's captions), times the ranks on this host, against the host memory
-        available now.
+        in flight, priced from the dataset's captions), times the ranks on this host (torchrun's ``LOCAL_WORLD_SIZE``;
+        ``NPROC_PER_NODE`` for ``--validate-only``, which checks for the launch), against the host memory available
+        now (:func:`patches.core.runtime.host_available`). The ranks agree on the verdict (the largest shortfall over
+        them), so none goes on to build while another stops.
 
         Raises:
-            UserError: more than available; the message names both sizes and the fixes.
+            UserError: more than available on some rank's host; the message names the sizes and the fixes.
         """
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        if os.environ.get("LOCAL_WORLD_SIZE"):
+            ranks = int(os.environ["LOCAL_WORLD_SIZE"])
+        elif self.args.validate_only:
+            ranks = int(os.environ.get("NPROC_PER_NODE") or "1")
+        else:
+            ranks = 1
         need = ranks * sum(i.host_bytes for i in self.ledger.items if i.name.startswith("text K/V"))
         free = host_available()
-        if need > free:
-            each = f" ({ranks} ranks on this host, one cache each)" if ranks > 1 else ""
-            raise UserError(f"{self.cfg.source}: [onecard] text_kv_cache needs {need / GiB:.2f} GiB of host memory for "
-                            f"the captions' keys and values{each}, but {free / GiB:.2f} GiB is available: set "
-                            "text_kv_cache = false, or train on fewer or shorter captions, or free host memory")
+        nccl = self.world > 1 and self.device.type == "cuda"
+        worst = agree_max(need - free, self.device if nccl else "cpu")
+        if worst <= 0:
+            return
+        each = f" ({ranks} ranks on this host, one cache each)" if ranks > 1 else ""
+        where = (f"needs {_size(need)} of host memory for the captions' keys and values{each}, but {_size(free)} is "
+                 "available" if need > free else f"does not fit another rank's host ({_size(worst)} short)")
+        raise UserError(f"{self.cfg.source}: [onecard] text_kv_cache {where}: set text_kv_cache = false, or train on "
+                        "fewer or shorter captions, or free host memory")
 
     def _print_plan(self) -> None:
         """The run's one-line plan and its memory ledger (rank 0)."""
@@ -1070,8 +1086,8 @@ class CosmosSFT(skeleton.Recipe):
             impl=self.cfg.onecard.attention, layout=host.layout,
             ids_device=torch.device("cpu") if self.host_tables is not None else None,
         )
-        if self.text_kv is not None:  # lever: this micro-batch's cached text keys and values, from pinned memory
-            self.text_kv.current = to_device(host.text_kv, device)
+        if self.text_kv is not None:  # lever: this micro-batch's cached text keys and values, copied on a side stream
+            self.text_kv.current = self.text_kv.upload(host.text_kv, device)
         with mem.phase("forward"):
             preds = self.model(**kwargs).sample
             loss = micro_batch_loss(preds, targets, self.cfg.onecard.loss_scale, self.ga)

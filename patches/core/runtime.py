@@ -23,12 +23,38 @@ def host_rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def host_available() -> int:
-    """Host memory a new allocation can take without swapping, bytes (``psutil.virtual_memory().available``: Linux's
-    ``MemAvailable``)."""
+CGROUP = "/sys/fs/cgroup"
+"""Where a cgroup v2 memory limit is read (:func:`host_available`)."""
+
+
+def host_available(cgroup: str = CGROUP) -> int:
+    """Host memory a new allocation can take, bytes: ``psutil.virtual_memory().available`` (Linux's ``MemAvailable``),
+    or less where this process's cgroup v2 limit leaves less (``memory.max - memory.current`` under ``cgroup``; a
+    container's or a batch job's limit, which ``MemAvailable`` does not see)."""
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    free = int(psutil.virtual_memory().available)
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as fh:
+            limit = fh.read().strip()
+        with open(os.path.join(cgroup, "memory.current")) as fh:
+            used = int(fh.read().strip())
+    except (OSError, ValueError):
+        return free
+    if limit == "max" or not limit.isdigit():
+        return free
+    return max(0, min(free, int(limit) - used))
+
+
+def agree_max(value: int, device: torch.device | str = "cpu") -> int:
+    """The largest ``value`` over the ranks of the default process group (an all-reduce), or ``value`` itself without
+    one: ranks that must reach one verdict from numbers each reads for itself (its host's free memory). ``device``:
+    where the collective's tensor lives (the rank's GPU under NCCL)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return int(t.item())
 
 
 def proc_status_kib(fields: tuple[str, ...] = ("VmLck", "VmPin", "VmRSS", "VmHWM")) -> dict[str, int]:

@@ -26,6 +26,8 @@ values, and cached keys that skip ``k_norm_und_for_gen`` each break the agreemen
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -352,17 +354,74 @@ def test_the_trainer_refuses_a_cache_the_host_cannot_hold(env, monkeypatch):  # 
     monkeypatch.setattr(train, "host_available", lambda: need)
     recipe._check_text_kv_host()  # exactly enough
     monkeypatch.setattr(train, "host_available", lambda: need - 1)
-    with pytest.raises(UserError, match=r"text_kv_cache needs .* GiB of host memory.*text_kv_cache = false"):
+    with pytest.raises(UserError, match=r"text_kv_cache needs .* of host memory.*text_kv_cache = false"):
         recipe._check_text_kv_host()
     monkeypatch.setattr(train, "host_available", lambda: 2 * need - 1)
     recipe._check_text_kv_host()
+    monkeypatch.setattr(train, "agree_max", lambda value, device: 2**20)  # another rank's host is 1 MiB short
+    with pytest.raises(UserError, match=r"does not fit another rank's host \(1\.0 MiB short\)"):
+        recipe._check_text_kv_host()
+    monkeypatch.setattr(train, "agree_max", lambda value, device: value)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(UserError, match="2 ranks on this host"):
         recipe._check_text_kv_host()
     monkeypatch.setattr(train, "host_available", lambda: 0)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    with pytest.raises(UserError, match="needs"):  # through preflight itself, before anything is built
+    with pytest.raises(UserError, match=r"needs \d+\.\d MiB .* but 0\.0 MiB"):  # through preflight, before any work
         train.CosmosSFT(train.parse_args(["--sft-toml", str(toml)])).preflight()
+
+
+def test_validate_only_counts_the_ranks_of_one_host(env, monkeypatch):  # noqa: F811
+    """``--validate-only`` checks for the launch in one process: the ranks on this host are ``NPROC_PER_NODE``, not
+    the world (``NNODES`` hosts hold a cache per rank each)."""
+    from cosmos_framework_ext.recipe import train
+    from patches.core.errors import UserError
+    from tests.test_train import small_toml
+
+    toml = small_toml(env, **{"[onecard]\n": "[onecard]\ntext_kv_cache = true\n"})
+    monkeypatch.setenv("NPROC_PER_NODE", "1")
+    monkeypatch.setenv("NNODES", "2")
+    monkeypatch.setattr(train, "host_available", lambda: 2**50)
+    recipe = train.CosmosSFT(train.parse_args(["--sft-toml", str(toml), "--validate-only"]))
+    recipe.preflight()
+    assert recipe.world == 2
+    need = sum(i.host_bytes for i in recipe.ledger.items if i.name.startswith("text K/V"))
+    monkeypatch.setattr(train, "host_available", lambda: need)
+    recipe._check_text_kv_host()  # one rank on this host
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    with pytest.raises(UserError, match="2 ranks on this host"):
+        recipe._check_text_kv_host()
+
+
+def test_host_available_reads_a_cgroup_limit(tmp_path):
+    from patches.core.runtime import host_available
+
+    free = host_available(str(tmp_path / "none"))  # no cgroup files: MemAvailable
+    assert free > 0
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text("123\n")
+    assert abs(host_available(str(tmp_path)) - free) < 2**30  # no limit
+    (tmp_path / "memory.max").write_text(f"{2**20 + 123}\n")
+    assert host_available(str(tmp_path)) == 2**20  # the limit leaves 1 MiB
+    (tmp_path / "memory.current").write_text(f"{2**21}\n")
+    assert host_available(str(tmp_path)) == 0  # over the limit
+
+
+def _agree_rank(rank: int, world: int, out: str) -> None:
+    from patches.core.runtime import agree_max
+
+    with open(f"{out}/{rank}", "w") as fh:
+        fh.write(str(agree_max([5, -7][rank])))
+
+
+def test_the_ranks_agree_on_the_largest_shortfall(tmp_path):
+    """Two gloo ranks, one short of host memory (5) and one not (-7): both see 5, so both stop."""
+    from patches.core.runtime import agree_max
+    from tests.equivalence.h3_ranks import launch
+
+    assert agree_max(-3) == -3  # no process group: its own value
+    launch(_agree_rank, 2, str(tmp_path))
+    assert [(tmp_path / str(r)).read_text() for r in (0, 1)] == ["5", "5"]
 
 
 def test_the_line_names_the_pre_pass_gpu_peak_where_measured():
@@ -398,7 +457,8 @@ def test_the_ledger_prices_the_cache_on_the_host():
     priced = items(True, tokens=(1000, 50))
     cache, flight = priced["text K/V cache (lever)"], priced["text K/V micro-batches in flight (lever)"]
     per_token = 28 * 2 * 8 * 128 * 2  # edge: layers x (k, v) x kv heads x head dim x bf16
-    assert per_token == 112 * 1024 and cache.gpu_bytes == flight.gpu_bytes == 0
+    assert per_token == 112 * 1024 and cache.gpu_bytes == 0
+    assert flight.gpu_bytes == 50 * per_token  # the next micro-batch's copy, on the GPU while this one trains
     assert not cache.pinned and flight.pinned  # the store is pageable, the gathered micro-batches pinned
     assert cache.host_bytes == 1000 * per_token and flight.host_bytes == TEXT_KV_IN_FLIGHT * 50 * per_token
     with pytest.raises(ValueError, match="to_k.weight trains"):
@@ -483,3 +543,103 @@ def test_fsdp2_at_one_rank_trains_the_same():
         K.use_text_kv_cache(lever, cache)
         worst = _agrees(stock, lever, cache)
     assert worst <= RTOL
+
+
+# ------------------------------------------------------------------ the upload's stream order (CUDA, told by events)
+def test_the_upload_elsewhere_is_a_plain_copy():
+    cache = K.TextKVCache(2, 4, torch.float32)
+    kv = torch.randn(2, 2, 5, 4)
+    out = cache.upload(kv, "cpu")
+    assert torch.equal(out, kv) and cache._stream is None
+
+
+GPU_SLEEP_CYCLES = 1_000_000_000
+"""``torch.cuda._sleep`` cycles: about 0.5 s at an H100's or H200's clock, far longer than the 16 MB copies below."""
+
+
+def _pinned_kv(value: float) -> torch.Tensor:
+    """A gathered micro-batch's shape (2 layers, 1024 text tokens, kv_dim 1024), fp32 (16 MiB), pinned."""
+    return torch.full((2, 2, 1024, 1024), value, pin_memory=True)
+
+
+def _upload_done_while_compute_sleeps(cache: K.TextKVCache) -> bool:
+    """Whether the upload's copy ends within 0.1 s while the compute stream still sleeps."""
+    kv = _pinned_kv(1.0)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    out = cache.upload(kv, "cuda")
+    copied = torch.cuda.Event()
+    copied.record(cache._stream if cache._stream is not None else torch.cuda.current_stream())
+    time.sleep(0.1)
+    done = copied.query()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), kv)  # the same bytes
+    return done
+
+
+class OnTheComputeStream(K.TextKVCache):
+    """Planted: the copy queued on the compute stream, behind its work (the path before the side stream)."""
+
+    def upload(self, kv, device):
+        return kv.to(device, non_blocking=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
+def test_cuda_the_upload_overlaps_the_compute_streams_queued_work():
+    assert _upload_done_while_compute_sleeps(K.TextKVCache(2, 1024, torch.float32, pin=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
+def test_cuda_planted_upload_on_the_compute_stream_is_told_by_its_event():
+    assert not _upload_done_while_compute_sleeps(OnTheComputeStream(2, 1024, torch.float32, pin=True))
+
+
+def _sum_after_a_slow_copy(cache: K.TextKVCache) -> tuple[float, float]:
+    """The copy queued behind 0.5 s on the cache's stream, then a compute-stream kernel reading the upload at once;
+    returns (what it read, what it should read)."""
+    cache.upload(_pinned_kv(0.0), "cuda")  # makes the stream; its block returns to the stream's pool
+    torch.cuda.synchronize()
+    with torch.cuda.stream(cache._stream):
+        torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    kv = _pinned_kv(3.0)
+    total = cache.upload(kv, "cuda").double().sum().item()
+    return total, 3.0 * kv.numel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
+def test_cuda_the_compute_stream_waits_for_the_copy():
+    got, want = _sum_after_a_slow_copy(K.TextKVCache(2, 1024, torch.float32, pin=True))
+    assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
+def test_cuda_planted_no_wait_for_the_copy_is_detected(monkeypatch):
+    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: None)
+    got, want = _sum_after_a_slow_copy(K.TextKVCache(2, 1024, torch.float32, pin=True))
+    assert got != want
+
+
+def _reused_block_read(cache: K.TextKVCache) -> tuple[float, float]:
+    """An upload read by a compute kernel queued behind 0.5 s, freed at once, then the next upload of the same size
+    (its best fit is the freed block); returns (what the kernel read, what it should read)."""
+    first = _pinned_kv(7.0)
+    out = cache.upload(first, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    total = out.double().sum()  # queued behind the sleep; reads out's block
+    del out  # freed while its reader is still queued
+    cache.upload(_pinned_kv(1.0), "cuda")  # its copy runs at once on the cache's stream
+    return total.item(), 7.0 * first.numel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
+def test_cuda_a_freed_upload_is_not_overwritten_before_its_last_reader():
+    got, want = _reused_block_read(K.TextKVCache(2, 1024, torch.float32, pin=True))
+    assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
+def test_cuda_planted_no_record_stream_is_detected(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    got, want = _reused_block_read(K.TextKVCache(2, 1024, torch.float32, pin=True))
+    assert got != want
