@@ -129,8 +129,8 @@ class TextKVCache:
         self._stream: Any = None
         """The CUDA stream :meth:`upload` copies on (made at its first GPU call)."""
         self.prepass_peak_bytes: int | None = None
-        """The GPU's allocated peak during the last pre-pass that computed something, bytes (set by the trainer on
-        a GPU run; ``None`` on the CPU)."""
+        """The GPU's allocated peak during the last pre-pass that computed something, bytes (:meth:`fill` on a GPU
+        model; ``None`` on the CPU)."""
 
     @property
     def bytes(self) -> int:
@@ -157,7 +157,8 @@ class TextKVCache:
         micro-batches of up to :data:`_PREPASS_BATCH_TOKENS` text tokens, built by ``forward_inputs`` (a list of
         token-id lists -> forward kwargs and the processor's segments: the trainer binds
         :func:`cosmos_framework_ext.recipe.attention.prepass_inputs` to the run's settings);
-        forward hooks on each layer's ``self_attn.norm_k`` and ``self_attn.to_v`` read the text rows.
+        forward hooks on each layer's ``self_attn.norm_k`` and ``self_attn.to_v`` read the text rows. On a GPU model
+        its allocated peak is :attr:`prepass_peak_bytes` (the device's peak statistics are reset first).
 
         Raises:
             RuntimeError: :attr:`current` is set (the pre-pass must see the stock text stream).
@@ -195,6 +196,10 @@ class TextKVCache:
         store = torch.empty(self.layers, 2, start + sum(len(k) for k in todo), self.kv_dim, dtype=self.dtype)
         store[:, :, :start] = self.store  # the rows it had; then each batch's rows written in place (no second copy)
         rows: dict[tuple[int, ...], tuple[int, int]] = {}
+        device = next(model.parameters()).device
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         bar = _progress(len(todo), progress)
         try:
             with torch.no_grad(), torch.compiler.set_stance("force_eager"):
@@ -218,6 +223,8 @@ class TextKVCache:
             bar(0, close=True)
         self.store = store  # both at once: an error above leaves the cache as it was
         self.rows.update(rows)
+        if cuda:
+            self.prepass_peak_bytes = torch.cuda.max_memory_allocated(device)
         self.seconds += time.perf_counter() - t0
         return len(todo)
 

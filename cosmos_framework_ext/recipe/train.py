@@ -952,13 +952,8 @@ class CosmosSFT(skeleton.Recipe):
             attention.prepass_inputs, self.model.config, dtype=self.dtype, device=self.device, impl=self.cfg.onecard.attention,
             ids_device=torch.device("cpu") if self.host_tables is not None else None)
 
-        cuda = self.device.type == "cuda"
-        if cuda:  # the pre-pass's own peak (the training peak is reset after it, in _begin)
-            torch.cuda.reset_peak_memory_stats(self.device)
         n = self.text_kv.fill(self.model, self.proc, (self._und_ids(ids) for ids in self.source.all_text_ids()),
-                              forward_inputs, progress=self.main_rank)
-        if cuda and n:
-            self.text_kv.prepass_peak_bytes = torch.cuda.max_memory_allocated(self.device)
+                              forward_inputs, progress=self.main_rank)  # resets the GPU's peak: _begin resets it again
         if self.main_rank and n:
             print(f"onecard: {self.text_kv.line()}", flush=True)
 

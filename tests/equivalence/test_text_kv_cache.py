@@ -26,6 +26,7 @@ values, and cached keys that skip ``k_norm_und_for_gen`` each break the agreemen
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -411,24 +412,34 @@ def _agree_rank(rank: int, world: int, out: str) -> None:
     from patches.core.runtime import agree_max
 
     with open(f"{out}/{rank}", "w") as fh:
-        fh.write(str(agree_max([5, -7][rank])))
+        fh.write(str(agree_max([5 * 2**32, -7][rank])))
 
 
 def test_the_ranks_agree_on_the_largest_shortfall(tmp_path):
-    """Two gloo ranks, one short of host memory (5) and one not (-7): both see 5, so both stop."""
+    """Two gloo ranks, one 20 GiB short of host memory and one not (-7 bytes): both see 20 GiB, so both stop (byte
+    counts past 2**31 kept whole)."""
     from patches.core.runtime import agree_max
     from tests.equivalence.h3_ranks import launch
 
     assert agree_max(-3) == -3  # no process group: its own value
     launch(_agree_rank, 2, str(tmp_path))
-    assert [(tmp_path / str(r)).read_text() for r in (0, 1)] == ["5", "5"]
+    assert [(tmp_path / str(r)).read_text() for r in (0, 1)] == [str(5 * 2**32)] * 2
 
 
 def test_the_line_names_the_pre_pass_gpu_peak_where_measured():
     cache = K.TextKVCache(2, 4, torch.float32)
-    assert "GPU peak" not in cache.line()
+    cache.rows[(1, 2, 3)] = (0, 3)
+    cache.store = torch.zeros(2, 2, 3, 4)
+    assert cache.line() == "text K/V cache: 1 captions, 3 tokens, 0.0 MiB on the host, pre-pass 0.0 s"
     cache.prepass_peak_bytes = 3 * 2**30
     assert cache.line().endswith("pre-pass 0.0 s, GPU peak 3.00 GiB")
+
+
+def test_sizes_print_in_gib_or_mib():
+    from cosmos_framework_ext.recipe.train import _size
+
+    assert _size(3 * 2**30) == "3.00 GiB" and _size(2**30) == "1.00 GiB"
+    assert _size(2**30 - 2**20) == "1023.0 MiB" and _size(0) == "0.0 MiB"
 
 
 def test_every_text_an_access_can_yield_is_listed(env):  # noqa: F811
@@ -463,6 +474,10 @@ def test_the_ledger_prices_the_cache_on_the_host():
     assert cache.host_bytes == 1000 * per_token and flight.host_bytes == TEXT_KV_IN_FLIGHT * 50 * per_token
     with pytest.raises(ValueError, match="to_k.weight trains"):
         items(True, keys=("moe_gen", "to_k"))
+    cfg = cfgmod.from_dict({"optimizer": {"keys_to_select": ["moe_gen"]}, "onecard": {"text_kv_cache": True},
+                            "model": {"parallelism": {"fsdp_master_dtype": "float32"}}})
+    fp32_master = {i.name: i for i in cosmos_ledger(cfg, "edge", {}, text_tokens=(1000, 50)).items}
+    assert fp32_master["text K/V cache (lever)"].host_bytes == 1000 * per_token  # the compute dtype's, bf16
 
 
 def test_every_layer_parameter_is_the_text_or_the_vision_streams():
@@ -643,3 +658,21 @@ def test_cuda_planted_no_record_stream_is_detected(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     got, want = _reused_block_read(K.TextKVCache(2, 1024, torch.float32, pin=True))
     assert got != want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU's peak statistics")
+def test_cuda_the_pre_pass_peak_is_its_own():
+    """The pre-pass's peak is measured from its own start (a larger earlier peak is not reported) and is the peak,
+    above what stays allocated after it (its activations are freed)."""
+    model, _ = R.make_model(device="cuda")
+    t = get_preset("tiny").transformer
+    cache = K.TextKVCache(len(model.layers), t["num_key_value_heads"] * t["head_dim"], torch.float32)
+    K.use_text_kv_cache(model, cache)
+    earlier = torch.empty(2**30, dtype=torch.uint8, device="cuda")  # 1 GiB, freed before the pre-pass
+    del earlier
+    texts = [t for n in N_SAMPLES for t in _texts(n)]
+    inputs = functools.partial(attention.prepass_inputs, model.config, dtype=torch.float32,
+                               device=torch.device("cuda"), impl="dense")
+    assert cache.fill(model, model.layers[0].self_attn.processor, texts, inputs) > 0
+    peak = cache.prepass_peak_bytes
+    assert peak is not None and torch.cuda.memory_allocated() < peak < 2**30
