@@ -128,6 +128,9 @@ class TextKVCache:
         """Forwards whose decoder stack ran from the cache (:func:`use_text_kv_cache`)."""
         self._stream: Any = None
         """The CUDA stream :meth:`upload` copies on (made at its first GPU call)."""
+        self._copied: tuple[torch.device, Any] | None = None
+        """The device and CUDA event after the last :meth:`upload`'s copy, until :meth:`ready` has the compute stream
+        wait."""
         self.prepass_peak_bytes: int | None = None
         """The GPU's allocated peak during the last pre-pass that computed something, bytes (:meth:`fill` on a GPU
         model; ``None`` on the CPU)."""
@@ -249,16 +252,16 @@ class TextKVCache:
         return out
 
     def upload(self, kv: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-        """``kv`` (a :meth:`gather` result) on ``device``, to be installed as :attr:`current`.
+        """``kv`` (a :meth:`gather` result) on ``device``, to be installed as :attr:`current`; the reader calls
+        :meth:`ready` before its first use.
 
         On a GPU the copy runs on the cache's own stream, which waits for nothing: it overlaps the compute stream's
-        queued work (the previous micro-batch's backward, while the host runs ahead) instead of queuing behind it on
-        the compute stream (about 225 MB, estimated, for a near-cap micro-batch of the sample dataset). The compute
-        stream then waits for the copy alone. The device tensor comes from the copy stream's pool, so no block a
-        queued compute kernel still reads is written; it is marked as used by the compute stream
-        (``record_stream``), so once freed its block is reused only after the compute stream's work queued before
-        the free has run. The host tensor is pinned (:meth:`gather` on a GPU run) or pinned here. Elsewhere
-        ``kv.to(device)``.
+        queued work (the previous micro-batch's backward while the host runs ahead, and the forward's work before the
+        decoder stack) instead of queuing behind it on the compute stream (about 225 MB, estimated, for a near-cap
+        micro-batch of the sample dataset). The device tensor comes from the copy stream's pool, so no block a queued
+        compute kernel still reads is written; it is marked as used by the compute stream (``record_stream``), so once
+        freed its block is reused only after the compute stream's work queued before the free has run. The host
+        tensor is pinned (:meth:`gather` on a GPU run) or pinned here. Elsewhere ``kv.to(device)``.
         """
         device = torch.device(device)
         if device.type != "cuda":
@@ -269,9 +272,19 @@ class TextKVCache:
         with torch.cuda.stream(self._stream):
             out = torch.empty(kv.shape, dtype=kv.dtype, device=device)
             out.copy_(kv if kv.is_pinned() else kv.pin_memory(), non_blocking=True)
-        compute.wait_stream(self._stream)
+            copied = torch.cuda.Event()
+            copied.record()
+        self._copied = (device, copied)
         out.record_stream(compute)
         return out
+
+    def ready(self) -> None:
+        """Have the current (compute) stream wait for the last :meth:`upload`'s copy, once; nothing elsewhere or when
+        there is none pending. :func:`use_text_kv_cache` calls it before the decoder layers read :attr:`current`."""
+        if self._copied is not None:
+            device, copied = self._copied
+            torch.cuda.current_stream(device).wait_event(copied)
+            self._copied = None
 
 
 def _progress(total: int, on: bool) -> Callable[..., None]:
@@ -326,6 +339,7 @@ def use_text_kv_cache(model: torch.nn.Module, cache: TextKVCache) -> None:
             raise RuntimeError(f"text_kv_cache: K/V of shape {tuple(kv.shape)} for {len(layers)} layers and "
                                f"{und_seq.shape[0]} text tokens")
         empty = und_seq[:0]
+        cache.ready()  # the copy of these keys and values has ended before the first layer reads them
         cache.micro_batches += 1
         checkpointed = torch.is_grad_enabled() and model.gradient_checkpointing
         for i, layer in enumerate(layers):

@@ -577,16 +577,31 @@ def _pinned_kv(value: float) -> torch.Tensor:
     return torch.full((2, 2, 1024, 1024), value, pin_memory=True)
 
 
+def _warm(cache: K.TextKVCache) -> None:
+    """An empty allocator cache (no stale block of an earlier test), then one upload read on the compute stream: the
+    stream exists, and its block and the reader's stay cached, so no ``cudaMalloc`` comes after the sleeps below where
+    the code is right (a blocking allocation would decide the order, not the code). Every pinned tensor is made before
+    the sleeps too."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    out = cache.upload(_pinned_kv(0.0), "cuda")
+    cache.ready()
+    out.double().sum()
+    del out
+    torch.cuda.synchronize()
+
+
 def _upload_done_while_compute_sleeps(cache: K.TextKVCache) -> bool:
     """Whether the upload's copy ends within 0.1 s while the compute stream still sleeps."""
+    _warm(cache)
     kv = _pinned_kv(1.0)
-    torch.cuda.synchronize()
     torch.cuda._sleep(GPU_SLEEP_CYCLES)
     out = cache.upload(kv, "cuda")
     copied = torch.cuda.Event()
-    copied.record(cache._stream if cache._stream is not None else torch.cuda.current_stream())
+    copied.record(cache._stream)
     time.sleep(0.1)
     done = copied.query()
+    cache.ready()
     torch.cuda.synchronize()
     assert torch.equal(out.cpu(), kv)  # the same bytes
     return done
@@ -596,6 +611,8 @@ class OnTheComputeStream(K.TextKVCache):
     """Planted: the copy queued on the compute stream, behind its work (the path before the side stream)."""
 
     def upload(self, kv, device):
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream()
         return kv.to(device, non_blocking=True)
 
 
@@ -610,15 +627,15 @@ def test_cuda_planted_upload_on_the_compute_stream_is_told_by_its_event():
 
 
 def _sum_after_a_slow_copy(cache: K.TextKVCache) -> tuple[float, float]:
-    """The copy queued behind 0.5 s on the cache's stream, then a compute-stream kernel reading the upload at once;
-    returns (what it read, what it should read)."""
-    cache.upload(_pinned_kv(0.0), "cuda")  # makes the stream; its block returns to the stream's pool
-    torch.cuda.synchronize()
+    """The copy queued behind 0.5 s on the cache's stream, then :meth:`TextKVCache.ready` and a compute-stream kernel
+    reading the upload; returns (what it read, what it should read)."""
+    _warm(cache)
+    kv = _pinned_kv(3.0)
     with torch.cuda.stream(cache._stream):
         torch.cuda._sleep(GPU_SLEEP_CYCLES)
-    kv = _pinned_kv(3.0)
-    total = cache.upload(kv, "cuda").double().sum().item()
-    return total, 3.0 * kv.numel()
+    out = cache.upload(kv, "cuda")
+    cache.ready()
+    return out.double().sum().item(), 3.0 * kv.numel()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
@@ -629,21 +646,91 @@ def test_cuda_the_compute_stream_waits_for_the_copy():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_planted_no_wait_for_the_copy_is_detected(monkeypatch):
-    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: None)
+    monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, event: None)
     got, want = _sum_after_a_slow_copy(K.TextKVCache(2, 1024, torch.float32, pin=True))
+    assert got != want
+
+
+class _ReadsV(torch.nn.Module):
+    """A stand-in decoder layer: returns ``gen + sum(v)`` of the values handed to it in the rotary tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn = type("Attn", (), {"num_key_value_heads": 8, "head_dim": 128})()
+
+    def forward(self, und, gen, rot):
+        return und, gen + rot[5].double().sum()
+
+
+class _Stack(torch.nn.Module):
+    """The part of a Cosmos3 transformer :func:`use_text_kv_cache` wraps: ``layers`` and ``_run_decoder_stack``."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_ReadsV(), _ReadsV()])
+        self.gradient_checkpointing = False
+        self.norm_moe_gen = torch.nn.Identity()
+
+    def _run_decoder_stack(self, und_seq, gen_seq, rotary_emb):
+        raise AssertionError("the stock stack ran with the cache's K/V installed")
+
+
+def _stack_read_after_a_slow_copy(cache: K.TextKVCache) -> tuple[float, float]:
+    """The wrapped stack run at once after an upload whose copy is queued behind 0.5 s; returns (what its layers read,
+    what they should read)."""
+    model = _Stack()
+    K.use_text_kv_cache(model, cache)
+    _warm(cache)
+    kv = _pinned_kv(2.0)
+    und = torch.zeros(1024, 1, device="cuda")
+    gen = torch.zeros((), dtype=torch.float64, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(cache._stream):
+        torch.cuda._sleep(GPU_SLEEP_CYCLES)
+    cache.current = cache.upload(kv, "cuda")
+    _, out = model._run_decoder_stack(und, gen, (None,) * 4)
+    cache.current = None
+    return out.item(), 2.0 * kv[:, 1].numel()
+
+
+def test_the_stand_in_stack_reads_the_values_on_the_cpu():
+    """The stand-in stack above, on the CPU: each layer reads its own values (the CUDA test's arithmetic)."""
+    model = _Stack()
+    cache = K.TextKVCache(2, 1024, torch.float32)
+    K.use_text_kv_cache(model, cache)
+    cache.current = torch.full((2, 2, 1024, 1024), 2.0)
+    _, out = model._run_decoder_stack(torch.zeros(1024, 1), torch.zeros((), dtype=torch.float64), (None,) * 4)
+    assert out.item() == 2.0 * cache.current[:, 1].numel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
+def test_cuda_the_decoder_stack_waits_for_the_copy():
+    got, want = _stack_read_after_a_slow_copy(K.TextKVCache(2, 1024, torch.float32, pin=True))
+    assert got == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
+def test_cuda_planted_stack_without_waiting_is_detected(monkeypatch):
+    monkeypatch.setattr(K.TextKVCache, "ready", lambda self: None)
+    got, want = _stack_read_after_a_slow_copy(K.TextKVCache(2, 1024, torch.float32, pin=True))
     assert got != want
 
 
 def _reused_block_read(cache: K.TextKVCache) -> tuple[float, float]:
     """An upload read by a compute kernel queued behind 0.5 s, freed at once, then the next upload of the same size
     (its best fit is the freed block); returns (what the kernel read, what it should read)."""
+    _warm(cache)
     first = _pinned_kv(7.0)
+    second = _pinned_kv(1.0)
     out = cache.upload(first, "cuda")
+    cache.ready()
+    total = torch.zeros((), dtype=torch.float64, device="cuda")
     torch.cuda.synchronize()
     torch.cuda._sleep(GPU_SLEEP_CYCLES)
-    total = out.double().sum()  # queued behind the sleep; reads out's block
+    total += out.sum(dtype=torch.float64)  # queued behind the sleep; reads out's block (no new allocation after it)
     del out  # freed while its reader is still queued
-    cache.upload(_pinned_kv(1.0), "cuda")  # its copy runs at once on the cache's stream
+    cache.upload(second, "cuda")  # its copy runs at once on the cache's stream
+    cache.ready()
     return total.item(), 7.0 * first.numel()
 
 
@@ -676,3 +763,10 @@ def test_cuda_the_pre_pass_peak_is_its_own():
     assert cache.fill(model, model.layers[0].self_attn.processor, texts, inputs) > 0
     peak = cache.prepass_peak_bytes
     assert peak is not None and torch.cuda.memory_allocated() < peak < 2**30
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU's peak statistics")
+def test_cuda_planted_peak_not_reset_is_detected(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    with pytest.raises(AssertionError):
+        test_cuda_the_pre_pass_peak_is_its_own()
