@@ -13,9 +13,10 @@ forward over packed micro-batches of captions, each with a one-token stand-in la
 hooks on ``norm_k`` and ``to_v``), keeps them in host memory (compute dtype, ``[layers, 2, tokens, kv_heads *
 head_dim]``) and, per micro-batch, gathers its samples' rows into one pinned tensor (:meth:`TextKVCache.gather`; on a
 loader thread with the latent cache, where the trainer builds every host input there, else on the main thread) that
-reaches the GPU on a stream of its own (:meth:`TextKVCache.upload`), overlapping the previous micro-batch's work. The decoder stack then runs the vision stream
-alone (:func:`use_text_kv_cache`): each layer gets an empty text stream and its cached keys and values through the
-rotary tuple, ``(cos_und, sin_und, cos_gen, sin_gen, k_und, v_und)``; the packed processor applies
+reaches the GPU on a stream of its own (:meth:`TextKVCache.upload`), overlapping the previous micro-batch's work.
+The decoder stack then runs the vision stream alone (:func:`use_text_kv_cache`): each layer gets an empty text
+stream and its cached keys and values through the rotary tuple, ``(cos_und, sin_und, cos_gen, sin_gen, k_und,
+v_und)``; the packed processor applies
 ``k_norm_und_for_gen`` and the rotary embedding to them as before and runs the vision attention over ``[text |
 vision]`` keys as before. The layers' signatures are unchanged, so the compile and checkpoint wrappers are too.
 
@@ -51,6 +52,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+
+from patches.core.units import gib_or_mib
 
 __all__ = ["VISION_STREAM_PARTS", "TextKVCache", "check_text_kv_cache", "text_stream_params", "use_text_kv_cache"]
 
@@ -146,9 +149,9 @@ class TextKVCache:
     def line(self) -> str:
         """One line for the log: captions, tokens, GiB on the host, pre-pass seconds (and its GPU peak, where
         measured)."""
-        size = f"{self.bytes / 2**30:.2f} GiB" if self.bytes >= 2**30 else f"{self.bytes / 2**20:.1f} MiB"
-        peak = f", GPU peak {self.prepass_peak_bytes / 2**30:.2f} GiB" if self.prepass_peak_bytes is not None else ""
-        return (f"text K/V cache: {len(self.rows)} captions, {self.store.shape[2]} tokens, {size} on the host, "
+        peak = f", GPU peak {gib_or_mib(self.prepass_peak_bytes)}" if self.prepass_peak_bytes is not None else ""
+        return (f"text K/V cache: {len(self.rows)} captions, {self.store.shape[2]} tokens, "
+                f"{gib_or_mib(self.bytes)} on the host, "
                 f"pre-pass {self.seconds:.1f} s{peak}")
 
     def fill(self, model: torch.nn.Module, proc: Any, texts: Iterable[Sequence[int]],

@@ -53,6 +53,7 @@ from patches.core.errors import ArgumentParser, UserError, cli
 from patches.core.host_arena import pinned_bytes_total
 from patches.core.runtime import GiB, agree_max, host_available, host_rss, median, rank_world, stable_hash
 from patches.core.sampler import MemorySampler
+from patches.core.units import gib_or_mib
 from patches.core.summary import run_summary
 from patches.core.trainer import StepResult
 
@@ -300,11 +301,6 @@ def _load_vae_weights(vae: torch.nn.Module, vae_path: str) -> str:
     vae.register_to_config(**own)
     return (f"VAE weights and latents_mean/latents_std from {path}"
             + (f" (its {' and '.join(changed)} differ from the preset's)" if changed else ""))
-
-
-def _size(n: int) -> str:
-    """Bytes as GiB with two decimals, or MiB below 1 GiB."""
-    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 def _launch_world() -> int:
@@ -594,8 +590,9 @@ class CosmosSFT(skeleton.Recipe):
         if worst <= 0:
             return
         each = f" ({ranks} ranks on this host, one cache each)" if ranks > 1 else ""
-        where = (f"needs {_size(need)} of host memory for the captions' keys and values{each}, but {_size(free)} is "
-                 "available" if need > free else f"does not fit another rank's host ({_size(worst)} short)")
+        where = (f"needs {gib_or_mib(need)} of host memory for the captions' keys and values{each}, but "
+                 f"{gib_or_mib(free)} is available" if need > free
+                 else f"does not fit another rank's host ({gib_or_mib(worst)} short)")
         raise UserError(f"{self.cfg.source}: [onecard] text_kv_cache {where}: set text_kv_cache = false, or train on "
                         "fewer or shorter captions, or free host memory")
 

@@ -19,9 +19,9 @@ stdout (``onecard: optimizer step N skipped: ...``), the run summary counts it (
 record per skip), and after ``max_consecutive`` skips in a row the run stops with :class:`NonFiniteTraining`
 (upstream Cosmos' ``SkipNaNStep`` stops after 100).
 
-Multi-rank: the decision is one ``all_reduce(MAX)`` of a 0/1 flag (this rank saw a non-finite loss or norm) over
-the default process group, on the norm's device (gloo for host gradients, as the clip's own reduction), so every
-rank takes the same decision and no collective is left unmatched. Every rank still runs every backward, bad or
+Multi-rank: the decision is one ``all_reduce(MAX)`` (:func:`patches.core.runtime.agree_max`) of a 0/1 flag (this
+rank saw a non-finite loss or norm) over the default process group, on the norm's device (gloo for host gradients,
+as the clip's own reduction), so every rank takes the same decision and no collective is left unmatched. Every rank still runs every backward, bad or
 not, for the same reason.
 
 Why a skip and not the Cosmos path's ``force_finite`` (upstream ``GradClip``: ``nan_to_num`` every gradient, re-measure,
@@ -38,6 +38,8 @@ import math
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
+
+from patches.core.runtime import agree_max
 
 __all__ = ["NonFiniteGuard", "NonFiniteTraining", "DEFAULT_MAX_CONSECUTIVE_SKIPS", "require_finite"]
 
@@ -88,7 +90,7 @@ class NonFiniteGuard:
         self.last_grad_norm = norm
         local_bad = bad_losses > 0 or not math.isfinite(norm)
         device = grad_norm.device if isinstance(grad_norm, torch.Tensor) else torch.device("cpu")
-        any_bad = _all_ranks_any(local_bad, device)
+        any_bad = agree_max(int(local_bad), device) > 0  # every rank takes the same decision
         step = self.steps_seen
         self.steps_seen += 1
         if not any_bad:
@@ -112,17 +114,6 @@ class NonFiniteGuard:
     def summary(self) -> dict[str, Any]:
         """``{"nonfinite_skipped_steps": int, "nonfinite_skips": [record, ...]}`` for the run summary."""
         return {"nonfinite_skipped_steps": self.skipped_steps, "nonfinite_skips": list(self.skips)}
-
-
-def _all_ranks_any(flag: bool, device: torch.device) -> bool:
-    """``flag`` OR-ed over the default process group (one ``all_reduce(MAX)``); ``flag`` alone without one."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
 
 
 def guarded_optimizer_step(

@@ -48,12 +48,13 @@ def host_available(cgroup: str = CGROUP) -> int:
 
 def agree_max(value: int, device: torch.device | str = "cpu") -> int:
     """The largest ``value`` over the ranks of the default process group (an all-reduce), or ``value`` itself without
-    one: ranks that must reach one verdict from numbers each reads for itself (its host's free memory). ``device``:
-    where the collective's tensor lives (the rank's GPU under NCCL)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    one or at one rank: ranks that must reach one verdict from numbers each reads for itself (its host's free memory,
+    a non-finite loss it saw). ``device``: where the collective's tensor lives (the rank's GPU under NCCL)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 

@@ -221,7 +221,7 @@ def multi_run(rank: int, fault: str) -> dict[str, Any]:
 
 def _two_rank_worker(rank: int, world: int, out_dir: str) -> None:
     res = {fault: multi_run(rank, fault) for fault in ("grad", "loss")}
-    with mock.patch.object(finite_step, "_all_ranks_any", lambda flag, device: flag):  # planted: per-rank decision
+    with mock.patch.object(finite_step, "agree_max", lambda value, device: value):  # planted: per-rank decision
         res["loss_planted_local_decision"] = multi_run(rank, "loss")
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
 

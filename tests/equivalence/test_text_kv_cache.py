@@ -436,10 +436,10 @@ def test_the_line_names_the_pre_pass_gpu_peak_where_measured():
 
 
 def test_sizes_print_in_gib_or_mib():
-    from cosmos_framework_ext.recipe.train import _size
+    from patches.core.units import gib_or_mib
 
-    assert _size(3 * 2**30) == "3.00 GiB" and _size(2**30) == "1.00 GiB"
-    assert _size(2**30 - 2**20) == "1023.0 MiB" and _size(0) == "0.0 MiB"
+    assert gib_or_mib(3 * 2**30) == "3.00 GiB" and gib_or_mib(2**30) == "1.00 GiB"
+    assert gib_or_mib(2**30 - 2**20) == "1023.0 MiB" and gib_or_mib(0) == "0.0 MiB"
 
 
 def test_every_text_an_access_can_yield_is_listed(env):  # noqa: F811
