@@ -44,7 +44,9 @@ the list, over the steps after the warm-up), each measured micro-batch's seconds
 model FLOPs utilisation, the latent cache's pre-pass (s, hits, misses, bytes; **not** part of any step time),
 the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS (the run's peak, and the peak
 through its final checkpoint save with what the save adds: :func:`save_host`) and pinned bytes, the Python garbage
-collector's pauses in the measured steps (JSON ``gc``: they stop the thread that launches the GPU's work), and the
+collector's pauses in the measured steps (JSON ``gc``: they stop the thread that launches the GPU's work), the pinned
+blocks the measured steps had CUDA page-lock and the ms spent doing it (JSON ``pinned_allocator_measured``:
+:func:`pinned_allocator`; ``null`` on the CPU), and the
 change of s/sample against configuration 1. A configuration that runs out of memory is reported as such
 with the peak it reached. ``--profile`` runs named rows once more under the profiler (:mod:`benchmarks.breakdown`);
 ``--queue-depth`` runs them once more with marks through the last step, unprofiled: how far the GPU runs behind
@@ -488,6 +490,25 @@ def allocator_delta(before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in allocator_counts().items()}
 
 
+def pinned_allocator() -> dict[str, float] | None:
+    """The pinned host allocator's growth counters now (cumulative since the process started): ``num_host_alloc``
+    (blocks it asked CUDA for), ``host_alloc_ms`` (ms spent in those calls: each page-locks its block while it holds
+    the driver), from ``torch.cuda.host_memory_stats``; ``None`` where this torch has no such statistics."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return None
+    st = stats()
+    return {"num_host_alloc": int(st.get("num_host_alloc", 0)),
+            "host_alloc_ms": st.get("host_alloc_time.total", 0) / 1e3}
+
+
+def pinned_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
+    """``after - before``, counter by counter (two :func:`pinned_allocator` readings); ``None`` if either is."""
+    if before is None or after is None:
+        return None
+    return {k: after[k] - before[k] for k in after}
+
+
 def reserved_by_stream() -> list[dict]:
     """The caching allocator's segments of the current CUDA device now, summed per stream, largest first:
     ``[{"stream": "default" | "side <k>", "reserved_gib": float, "allocated_gib": float}]`` ("default": stream 0,
@@ -551,10 +572,15 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
     marks = qd.QueueDepth(recipe, args.steps - 1) if probe else None
     step_s: list[float] = []
     step = recipe.train_step
+    pinned: dict[str, dict | None] = {}  # the pinned allocator at the first measured step's start and after the last
 
     def timed_step(it: int):
+        if cuda and len(step_s) == args.warmup:
+            pinned["before"] = pinned_allocator()
         result = step(it)
         step_s.append(result.seconds)
+        if cuda:
+            pinned["after"] = pinned_allocator()
         return result
 
     recipe.train_step = timed_step
@@ -598,6 +624,8 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         host_inputs_built=s.get("host_inputs_built"),
         compile_note=s.get("compile"),
         allocator=allocator_delta(before) if cuda else None,
+        # pinned blocks the measured steps had CUDA page-lock (a loader thread's call holds the driver's lock)
+        pinned_allocator_measured=pinned_delta(pinned.get("before"), pinned.get("after")),
         # where the reserved memory sits at the row's end (under the cap: the sums equal the peak reserved)
         reserved_by_stream=reserved_by_stream() if cuda else None,
     )

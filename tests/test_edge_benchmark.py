@@ -149,3 +149,17 @@ def test_smoke_several_checkpoint_layers_in_one_process(bench, tmp_path, edge_sm
     assert [(r["config"], r["status"], r["checkpoint_layers"]) for r in rows] == [
         ("+ latent cache", "ok", 2), (f"{fewer} (checkpoint_layers 2)", "ok", 2),
         (f"{fewer} (checkpoint_layers 1)", "ok", 1)]
+
+
+def test_pinned_allocator_reads_the_growth_counters(bench, monkeypatch):
+    """The pinned allocator's block count and its CUDA call time (µs in torch's statistics, ms in the row), and the
+    difference of two readings; ``None`` where torch has no host statistics or a reading is missing."""
+    stats = {"num_host_alloc": 3, "host_alloc_time.total": 2500, "num_host_free": 9}
+    monkeypatch.setattr(bench.torch.cuda, "host_memory_stats", lambda: dict(stats), raising=False)
+    before = bench.pinned_allocator()
+    assert before == {"num_host_alloc": 3, "host_alloc_ms": 2.5}
+    stats.update({"num_host_alloc": 5, "host_alloc_time.total": 84_500})
+    assert bench.pinned_delta(before, bench.pinned_allocator()) == {"num_host_alloc": 2, "host_alloc_ms": 82.0}
+    assert bench.pinned_delta(None, before) is None and bench.pinned_delta(before, None) is None
+    monkeypatch.delattr(bench.torch.cuda, "host_memory_stats")
+    assert bench.pinned_allocator() is None
