@@ -579,17 +579,35 @@ def _pinned_kv(value: float) -> torch.Tensor:
 
 
 def _warm(cache: K.TextKVCache) -> None:
-    """An empty allocator cache (no stale block of an earlier test), then one upload read on the compute stream: the
-    stream exists, and its block and the reader's stay cached, so no ``cudaMalloc`` comes after the sleeps below where
-    the code is right (a blocking allocation would decide the order, not the code). Every pinned tensor is made before
-    the sleeps too."""
+    """An empty allocator cache (no stale block of an earlier test), then two uploads read on the compute stream: the
+    stream exists, and two blocks of an upload's size and the readers' stay cached, so no ``cudaMalloc`` comes after
+    the sleeps below where the code is right (a blocking allocation would decide the order, not the code; with one
+    block, the upload after a freed one still awaiting its reader would need a new one). Every pinned tensor is made
+    before the sleeps too."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    out = cache.upload(_pinned_kv(0.0), "cuda")
-    cache.ready()
-    out.double().sum()
-    del out
+    outs = [cache.upload(_pinned_kv(0.0), "cuda") for _ in range(2)]
+    cache.ready()  # one stream: the second copy's event covers the first
+    for out in outs:
+        out.double().sum()
+    del out, outs
     torch.cuda.synchronize()
+
+
+def _sleep(cycles: int, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    """``torch.cuda._sleep(cycles)`` on ``stream`` (the current one by default); returns an event recorded after it:
+    while it is not reached, the work queued so far was ordered by the code, not by the sleep's end."""
+    with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        torch.cuda._sleep(cycles)
+        slept = torch.cuda.Event()
+        slept.record()
+    return slept
+
+
+def _still_sleeping(slept: torch.cuda.Event, cycles: int) -> None:
+    """Fails when a measured run's sleep (``cycles`` > 0) had ended before the race it brackets was queued: the host
+    stalled, or something synchronized, and the test would test nothing."""
+    assert cycles == 0 or not slept.query(), "the work was ordered by the sleep's end, not by the code under test"
 
 
 def _rehearsed(helper: Callable[[K.TextKVCache, int], Any], cache: Callable[[], K.TextKVCache]) -> Any:
@@ -610,12 +628,13 @@ def _upload_done_while_compute_sleeps(cache: K.TextKVCache, cycles: int) -> bool
     back = torch.empty_like(kv).pin_memory()
     reader = torch.cuda.Stream()
     torch.cuda.synchronize()
-    torch.cuda._sleep(cycles)
+    slept = _sleep(cycles)
     out = cache.upload(kv, "cuda")
     time.sleep(0.1)
     with torch.cuda.stream(reader):
         back.copy_(out, non_blocking=True)
     reader.synchronize()
+    _still_sleeping(slept, cycles)
     done = torch.equal(back, kv)
     cache.ready()
     torch.cuda.synchronize()
@@ -651,11 +670,12 @@ def _sum_after_a_slow_copy(cache: K.TextKVCache, cycles: int) -> tuple[float, fl
     reading the upload; returns (what it read, what it should read)."""
     _warm(cache)
     kv = _pinned_kv(3.0)
-    with torch.cuda.stream(cache._stream):
-        torch.cuda._sleep(cycles)
+    slept = _sleep(cycles, cache._stream)
     out = cache.upload(kv, "cuda")
     cache.ready()
-    return out.double().sum().item(), 3.0 * kv.numel()
+    total = out.double().sum()
+    _still_sleeping(slept, cycles)
+    return total.item(), 3.0 * kv.numel()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
@@ -705,11 +725,11 @@ def _stack_read_after_a_slow_copy(cache: K.TextKVCache, cycles: int) -> tuple[fl
     und = torch.zeros(1024, 1, device="cuda")
     gen = torch.zeros((), dtype=torch.float64, device="cuda")
     torch.cuda.synchronize()
-    with torch.cuda.stream(cache._stream):
-        torch.cuda._sleep(cycles)
+    slept = _sleep(cycles, cache._stream)
     cache.current = cache.upload(kv, "cuda")
     _, out = model._run_decoder_stack(und, gen, (None,) * 4)
     cache.current = None
+    _still_sleeping(slept, cycles)
     return out.item(), 2.0 * kv[:, 1].numel()
 
 
@@ -738,7 +758,8 @@ def test_cuda_planted_stack_without_waiting_is_detected(monkeypatch):
 
 def _reused_block_read(cache: K.TextKVCache, cycles: int) -> tuple[float, float]:
     """An upload read by a compute kernel queued behind 0.5 s, freed at once, then the next upload of the same size
-    (its best fit is the freed block); returns (what the kernel read, what it should read)."""
+    (where the freed block is reusable at once, as without ``record_stream``, the allocator hands it out: of equal
+    free blocks the lowest address); returns (what the kernel read, what it should read)."""
     _warm(cache)
     first = _pinned_kv(7.0)
     second = _pinned_kv(1.0)
@@ -746,11 +767,12 @@ def _reused_block_read(cache: K.TextKVCache, cycles: int) -> tuple[float, float]
     cache.ready()
     total = torch.zeros((), dtype=torch.float64, device="cuda")
     torch.cuda.synchronize()
-    torch.cuda._sleep(cycles)
+    slept = _sleep(cycles)
     total += out.sum(dtype=torch.float64)  # queued behind the sleep; reads out's block (no new allocation after it)
     del out  # freed while its reader is still queued
-    cache.upload(second, "cuda")  # its copy runs at once on the cache's stream
+    cache.upload(second, "cuda")  # its copy runs at once on the cache's stream, into the other warm block if right
     cache.ready()
+    _still_sleeping(slept, cycles)
     return total.item(), 7.0 * first.numel()
 
 
@@ -800,7 +822,10 @@ def test_cuda_the_pre_pass_peak_is_its_own():
     K.use_text_kv_cache(model, cache)
     transient = 256 * 2**20
 
+    in_use = []
+
     def transient_in_the_forward(*_):
+        in_use.append(torch.cuda.memory_allocated())
         torch.empty(transient, dtype=torch.uint8, device="cuda")  # allocated and freed at once
 
     model.layers[0].register_forward_hook(transient_in_the_forward)
@@ -809,11 +834,10 @@ def test_cuda_the_pre_pass_peak_is_its_own():
     texts = [t for n in N_SAMPLES for t in _texts(n)]
     inputs = functools.partial(attention.prepass_inputs, model.config, dtype=torch.float32,
                                device=torch.device("cuda"), impl="dense")
-    before = torch.cuda.memory_allocated()
     assert cache.fill(model, model.layers[0].self_attn.processor, texts, inputs) > 0
     peak = cache.prepass_peak_bytes
     assert peak is not None and peak < 2**30
-    assert peak >= before + transient
+    assert in_use and peak >= max(in_use) + transient  # the memory in use when the transient came, plus it
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU's peak statistics")
