@@ -485,9 +485,17 @@ def allocator_counts() -> dict[str, int]:
     return {k: int(st.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
+def counter_delta(before: dict | None, after: dict | None) -> dict | None:
+    """``after - before``, counter by counter (two readings of cumulative counters; a counter missing from ``before``
+    counts from 0); ``None`` if either reading is."""
+    if before is None or after is None:
+        return None
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
 def allocator_delta(before: dict[str, int]) -> dict[str, int]:
     """The :data:`ALLOCATOR_COUNTS` since ``before`` (an :func:`allocator_counts` reading)."""
-    return {k: v - before.get(k, 0) for k, v in allocator_counts().items()}
+    return counter_delta(before, allocator_counts())
 
 
 def pinned_allocator() -> dict[str, float] | None:
@@ -500,13 +508,6 @@ def pinned_allocator() -> dict[str, float] | None:
     st = stats()
     return {"num_host_alloc": int(st.get("num_host_alloc", 0)),
             "host_alloc_ms": st.get("host_alloc_time.total", 0) / 1e3}
-
-
-def pinned_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float] | None:
-    """``after - before``, counter by counter (two :func:`pinned_allocator` readings); ``None`` if either is."""
-    if before is None or after is None:
-        return None
-    return {k: after[k] - before[k] for k in after}
 
 
 def reserved_by_stream() -> list[dict]:
@@ -625,7 +626,7 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
         compile_note=s.get("compile"),
         allocator=allocator_delta(before) if cuda else None,
         # pinned blocks the measured steps had CUDA page-lock (a loader thread's call holds the driver's lock)
-        pinned_allocator_measured=pinned_delta(pinned.get("before"), pinned.get("after")),
+        pinned_allocator_measured=counter_delta(pinned.get("before"), pinned.get("after")),
         # where the reserved memory sits at the row's end (under the cap: the sums equal the peak reserved)
         reserved_by_stream=reserved_by_stream() if cuda else None,
     )

@@ -159,7 +159,8 @@ def test_pinned_allocator_reads_the_growth_counters(bench, monkeypatch):
     before = bench.pinned_allocator()
     assert before == {"num_host_alloc": 3, "host_alloc_ms": 2.5}
     stats.update({"num_host_alloc": 5, "host_alloc_time.total": 84_500})
-    assert bench.pinned_delta(before, bench.pinned_allocator()) == {"num_host_alloc": 2, "host_alloc_ms": 82.0}
-    assert bench.pinned_delta(None, before) is None and bench.pinned_delta(before, None) is None
+    assert bench.counter_delta(before, bench.pinned_allocator()) == {"num_host_alloc": 2, "host_alloc_ms": 82.0}
+    assert bench.counter_delta(None, before) is None and bench.counter_delta(before, None) is None
+    assert bench.counter_delta({"a": 1}, {"a": 4, "b": 2}) == {"a": 3, "b": 2}  # a counter new since before: from 0
     monkeypatch.delattr(bench.torch.cuda, "host_memory_stats")
     assert bench.pinned_allocator() is None

@@ -53,9 +53,9 @@ from patches.core.errors import ArgumentParser, UserError, cli
 from patches.core.host_arena import pinned_bytes_total
 from patches.core.runtime import GiB, agree_max, host_available, host_rss, median, rank_world, stable_hash
 from patches.core.sampler import MemorySampler
-from patches.core.units import gib_or_mib
 from patches.core.summary import run_summary
 from patches.core.trainer import StepResult
+from patches.core.units import gib_or_mib
 
 from cosmos_framework_ext.recipe import attention, config as cfgmod, data as datamod
 from patches.core.data import rows, sample_dataset

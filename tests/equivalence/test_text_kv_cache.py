@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 import torch
@@ -40,6 +40,7 @@ from cosmos_framework_ext.recipe import attention
 from cosmos_framework_ext.recipe.attention import PackedAttnProcessor
 from cosmos_framework_ext.recipe.presets import build_transformer, get_preset
 from tests.equivalence import tiny_recipe as R
+from tests.equivalence.gpu_order import gpu_sleep, rehearsed, still_sleeping
 from tests.equivalence.test_compile_blocks import compile_count
 from tests.test_train import env  # noqa: F401 - the fixture (dataset, output root, no checkpoint paths)
 
@@ -569,10 +570,6 @@ def test_the_upload_elsewhere_is_a_plain_copy():
     assert torch.equal(out, kv) and cache._stream is None
 
 
-GPU_SLEEP_CYCLES = 1_000_000_000
-"""``torch.cuda._sleep`` cycles: about 0.5 s at an H100's or H200's clock, far longer than the 16 MB copies below."""
-
-
 def _pinned_kv(value: float) -> torch.Tensor:
     """A gathered micro-batch's shape (2 layers, 1024 text tokens, kv_dim 1024), fp32 (16 MiB), pinned."""
     return torch.full((2, 2, 1024, 1024), value, pin_memory=True)
@@ -594,32 +591,6 @@ def _warm(cache: K.TextKVCache) -> None:
     torch.cuda.synchronize()
 
 
-def _sleep(cycles: int, stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
-    """``torch.cuda._sleep(cycles)`` on ``stream`` (the current one by default); returns an event recorded after it:
-    while it is not reached, the work queued so far was ordered by the code, not by the sleep's end."""
-    with torch.cuda.stream(stream or torch.cuda.current_stream()):
-        torch.cuda._sleep(cycles)
-        slept = torch.cuda.Event()
-        slept.record()
-    return slept
-
-
-def _still_sleeping(slept: torch.cuda.Event, cycles: int) -> None:
-    """Fails when a measured run's sleep (``cycles`` > 0) had ended before the race it brackets was queued: the host
-    stalled, or something synchronized, and the test would test nothing."""
-    assert cycles == 0 or not slept.query(), "the work was ordered by the sleep's end, not by the code under test"
-
-
-def _rehearsed(helper: Callable[[K.TextKVCache, int], Any], cache: Callable[[], K.TextKVCache]) -> Any:
-    """``helper`` run once with no GPU sleep, then with :data:`GPU_SLEEP_CYCLES`, each on a new ``cache()``; returns
-    the second run's result. The rehearsal launches every kernel the measured run launches: under CUDA's lazy module
-    loading (PyTorch's default) a kernel's first launch can wait for the device to go idle, so a kernel launched for
-    the first time after the sleep would wait for it and order the work, not the code under test (a test run alone
-    let planted races pass this way)."""
-    helper(cache(), 0)
-    return helper(cache(), GPU_SLEEP_CYCLES)
-
-
 def _upload_done_while_compute_sleeps(cache: K.TextKVCache, cycles: int) -> bool:
     """Whether the uploaded bytes are on the GPU 0.1 s after the upload while the compute stream still sleeps: a
     third stream, which waits for nothing, reads them back (whatever stream the copy was queued on)."""
@@ -628,13 +599,13 @@ def _upload_done_while_compute_sleeps(cache: K.TextKVCache, cycles: int) -> bool
     back = torch.empty_like(kv).pin_memory()
     reader = torch.cuda.Stream()
     torch.cuda.synchronize()
-    slept = _sleep(cycles)
+    slept = gpu_sleep(cycles)
     out = cache.upload(kv, "cuda")
     time.sleep(0.1)
     with torch.cuda.stream(reader):
         back.copy_(out, non_blocking=True)
     reader.synchronize()
-    _still_sleeping(slept, cycles)
+    still_sleeping(slept, cycles)
     done = torch.equal(back, kv)
     cache.ready()
     torch.cuda.synchronize()
@@ -657,12 +628,12 @@ def _cache(cls: type[K.TextKVCache] = K.TextKVCache) -> Callable[[], K.TextKVCac
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_the_upload_overlaps_the_compute_streams_queued_work():
-    assert _rehearsed(_upload_done_while_compute_sleeps, _cache())
+    assert rehearsed(_upload_done_while_compute_sleeps, _cache())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_planted_upload_on_the_compute_stream_is_told_by_the_bytes():
-    assert not _rehearsed(_upload_done_while_compute_sleeps, _cache(OnTheComputeStream))
+    assert not rehearsed(_upload_done_while_compute_sleeps, _cache(OnTheComputeStream))
 
 
 def _sum_after_a_slow_copy(cache: K.TextKVCache, cycles: int) -> tuple[float, float]:
@@ -670,24 +641,24 @@ def _sum_after_a_slow_copy(cache: K.TextKVCache, cycles: int) -> tuple[float, fl
     reading the upload; returns (what it read, what it should read)."""
     _warm(cache)
     kv = _pinned_kv(3.0)
-    slept = _sleep(cycles, cache._stream)
+    slept = gpu_sleep(cycles, cache._stream)
     out = cache.upload(kv, "cuda")
     cache.ready()
     total = out.double().sum()
-    _still_sleeping(slept, cycles)
+    still_sleeping(slept, cycles)
     return total.item(), 3.0 * kv.numel()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_the_compute_stream_waits_for_the_copy():
-    got, want = _rehearsed(_sum_after_a_slow_copy, _cache())
+    got, want = rehearsed(_sum_after_a_slow_copy, _cache())
     assert got == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_planted_no_wait_for_the_copy_is_detected(monkeypatch):
     monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, event: None)
-    got, want = _rehearsed(_sum_after_a_slow_copy, _cache())
+    got, want = rehearsed(_sum_after_a_slow_copy, _cache())
     assert got != want
 
 
@@ -725,11 +696,11 @@ def _stack_read_after_a_slow_copy(cache: K.TextKVCache, cycles: int) -> tuple[fl
     und = torch.zeros(1024, 1, device="cuda")
     gen = torch.zeros((), dtype=torch.float64, device="cuda")
     torch.cuda.synchronize()
-    slept = _sleep(cycles, cache._stream)
+    slept = gpu_sleep(cycles, cache._stream)
     cache.current = cache.upload(kv, "cuda")
     _, out = model._run_decoder_stack(und, gen, (None,) * 4)
     cache.current = None
-    _still_sleeping(slept, cycles)
+    still_sleeping(slept, cycles)
     return out.item(), 2.0 * kv[:, 1].numel()
 
 
@@ -745,14 +716,14 @@ def test_the_stand_in_stack_reads_the_values_on_the_cpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_the_decoder_stack_waits_for_the_copy():
-    got, want = _rehearsed(_stack_read_after_a_slow_copy, _cache())
+    got, want = rehearsed(_stack_read_after_a_slow_copy, _cache())
     assert got == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_planted_stack_without_waiting_is_detected(monkeypatch):
     monkeypatch.setattr(K.TextKVCache, "ready", lambda self: None)
-    got, want = _rehearsed(_stack_read_after_a_slow_copy, _cache())
+    got, want = rehearsed(_stack_read_after_a_slow_copy, _cache())
     assert got != want
 
 
@@ -767,25 +738,25 @@ def _reused_block_read(cache: K.TextKVCache, cycles: int) -> tuple[float, float]
     cache.ready()
     total = torch.zeros((), dtype=torch.float64, device="cuda")
     torch.cuda.synchronize()
-    slept = _sleep(cycles)
+    slept = gpu_sleep(cycles)
     total += out.sum(dtype=torch.float64)  # queued behind the sleep; reads out's block (no new allocation after it)
     del out  # freed while its reader is still queued
     cache.upload(second, "cuda")  # its copy runs at once on the cache's stream, into the other warm block if right
     cache.ready()
-    _still_sleeping(slept, cycles)
+    still_sleeping(slept, cycles)
     return total.item(), 7.0 * first.numel()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_a_freed_upload_is_not_overwritten_before_its_last_reader():
-    got, want = _rehearsed(_reused_block_read, _cache())
+    got, want = rehearsed(_reused_block_read, _cache())
     assert got == want
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_planted_no_record_stream_is_detected(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    got, want = _rehearsed(_reused_block_read, _cache())
+    got, want = rehearsed(_reused_block_read, _cache())
     assert got != want
 
 
@@ -807,7 +778,7 @@ class FromTheComputePool(K.TextKVCache):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the side stream")
 def test_cuda_planted_upload_from_the_compute_pool_is_detected():
-    got, want = _rehearsed(_reused_block_read, _cache(FromTheComputePool))
+    got, want = rehearsed(_reused_block_read, _cache(FromTheComputePool))
     assert got != want
 
 
