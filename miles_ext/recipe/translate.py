@@ -190,6 +190,120 @@ class Translation:
         return "\n".join(lines) + "\n"
 
 
+def _check_bf16_master(values: dict[str, str], present: set[str]) -> str:
+    """The source's ``--fsdp-master-dtype`` (default fp32), after the checks that make a bf16 master exact here.
+
+    Raises:
+        TranslationError: a master dtype other than fp32/bf16; no ``--use-lora``; a non-bf16
+            ``--diffusion-forward-dtype``; a DP split other than contiguous.
+    """
+    master = values.get("--fsdp-master-dtype", "fp32")
+    if master not in ("fp32", "bf16"):
+        raise TranslationError(f"--fsdp-master-dtype {master!r} is not fp32 or bf16; use one of those")
+    if "--use-lora" not in present:
+        raise TranslationError(
+            "no --use-lora: a bf16 master would round the trained (non-LoRA) weights; add --use-lora "
+            "(the H3 recipe is LoRA SFT) or translate to more GPUs keeping the fp32 master"
+        )
+    fwd = values.get("--diffusion-forward-dtype", "bf16")
+    if fwd != "bf16":
+        raise TranslationError(
+            f"--diffusion-forward-dtype {fwd}: with a non-bf16 forward a bf16 master changes the gathered weights; "
+            "use bf16 (the recipe default) or keep the source GPU count"
+        )
+    for flag in ("--train-dp-split-mode", "--diffusion-train-dp-split"):
+        if values.get(flag, "contiguous") != "contiguous":
+            raise TranslationError(
+                f"{flag} {values[flag]}: only the contiguous DP split (the default) is emulated; drop the flag"
+            )
+    return master
+
+
+def _invariants(values: dict[str, str], *, rbs: int, n: int, steps: int, gbs: int, mbs: int, from_gpus: int,
+                to_gpus: int, master: str) -> list[str]:
+    """The lines :class:`Translation` states as kept (global batch, micro-batches, gradient scale, steps per rollout,
+    draws, LoRA, master dtype), for a translation :func:`translate` has checked."""
+    per_rank = gbs // from_gpus
+    mb_src, mb_dst = per_rank // mbs, gbs // to_gpus // mbs
+    rank, alpha = values.get("--lora-rank", "(default)"), values.get("--lora-alpha", "(default)")
+    return [
+        f"global batch: {rbs} x {n} / {steps} = {gbs} samples per optimizer step on {from_gpus} and on {to_gpus} "
+        f"GPU(s): rollout_batch_size x n_samples_per_prompt / num_steps_per_rollout has no world-size term "
+        f"({gbs} divisible by {from_gpus} and {to_gpus})",
+        f"micro-batches per optimizer step: {from_gpus} GPUs x {mb_src} per rank = {to_gpus} GPU(s) x {mb_dst} "
+        f"accumulated = {gbs // mbs} micro-batches of {mbs}; none ragged",
+        f"gradient scale: each rank backprops loss_sum / num_local_pairs per micro-batch and FSDP2 averages over "
+        f"ranks: {from_gpus} GPUs: sum / {per_rank} / {from_gpus} = sum / {gbs}; {to_gpus} GPU(s): "
+        f"sum / {gbs // to_gpus} / {to_gpus} = sum / {gbs}: the mean over the step's {gbs} pairs",
+        f"optimizer steps per rollout: {rbs} x {n} / {gbs} = {steps} on both",
+        f"draws: pair_schedule({gbs}, {from_gpus}, {steps}, {mbs}) gives micro-batch (j, i) of step s rank j's "
+        f"contiguous pairs and seed stable_hash('sample', seed, rollout_id, s x {mb_src} + i, j): the "
+        f"{from_gpus}-GPU run's timestep indices and noise"
+        + (f"; GPU r runs source ranks j in [{from_gpus // to_gpus}r, {from_gpus // to_gpus}(r+1))" if to_gpus > 1 else ""),
+        f"LoRA: --lora-rank {rank}, --lora-alpha {alpha} unchanged; adapters fp32 and trainable, initialised "
+        f"as on an fp32 base",
+        f"master dtype: {master} -> bf16 changes storage only: the base is frozen and gathered at "
+        f"--diffusion-forward-dtype bf16 on both, bf16(fp32 w) == bf16(w) for the bf16 checkpoint tensors, "
+        f"and the _keep_in_fp32_modules stay fp32",
+    ]
+
+
+def _rewritten(items: list[list[str]], values: dict[str, str], present: set[str], *, from_gpus: int, to_gpus: int,
+               per_node: int | None, nodes: int | None, gbs: int, pin_gbs: bool, master: str
+               ) -> tuple[list[str], list[str]]:
+    """The translated argument list and the lines saying what changed, for a recipe :func:`translate` has checked:
+    the GPU count, the bf16 master, the run names, ``--fsdp-cpu-offload`` and ``--onecard-emulate-dp-size`` (and the
+    global batch, pinned where ``pin_gbs``: neither it nor the steps per rollout were set)."""
+    changed: list[str] = []
+    new_values: dict[str, str] = {
+        "--actor-num-gpus-per-node": str(to_gpus),
+        "--fsdp-master-dtype": "bf16",
+    }
+    if "--actor-num-nodes" in present:
+        new_values["--actor-num-nodes"] = "1"
+    for flag in RUN_NAME_FLAGS:
+        if flag in values:
+            new_values[flag] = f"onecard-{to_gpus}gpu-{values[flag]}"
+    appended: list[list[str]] = []
+    if "--actor-num-gpus-per-node" not in present:
+        appended.append(["--actor-num-gpus-per-node", str(to_gpus)])
+    if pin_gbs:
+        appended.append(["--global-batch-size", str(gbs)])
+        changed.append(
+            f"--global-batch-size: (unset: defaults to the dp size {from_gpus}) -> {gbs}, pinned so the "
+            f"{to_gpus}-GPU run does not default to {to_gpus}"
+        )
+    if "--fsdp-master-dtype" not in present:
+        appended.append(["--fsdp-master-dtype", "bf16"])
+    if "--fsdp-cpu-offload" not in present:
+        appended.append(["--fsdp-cpu-offload"])
+        changed.append("--fsdp-cpu-offload: added; sharded params, grads and optimizer state on the host. "
+                       "Placement only: FSDP2 gathers the same values for the forward and accumulates grads by adding")
+    appended.append(["--onecard-emulate-dp-size", str(from_gpus)])
+    changed.append(
+        f"--onecard-emulate-dp-size {from_gpus}: added (onecard flag); the trainer runs pair_schedule so that "
+        f"micro-batch j of each step trains rank j's pairs with rank j's seed identity"
+    )
+    old_gpus = f"{per_node} x {nodes}" if per_node is not None else f"(unset; {from_gpus} from the launcher)"
+    changed.insert(0, f"GPU count: --actor-num-gpus-per-node/--actor-num-nodes {old_gpus} -> {to_gpus} x 1")
+    if master != "bf16":
+        changed.insert(1, f"--fsdp-master-dtype: {master} -> bf16; the frozen base is stored bf16 "
+                          "(_keep_in_fp32_modules stay fp32) and gathered as bf16 either way")
+    for flag in RUN_NAME_FLAGS:
+        if flag in values:
+            changed.append(f"{flag}: {values[flag]} -> {new_values[flag]}")
+
+    out: list[str] = []
+    for item in items:
+        if item[0] in new_values and len(item) == 2:
+            out += [item[0], new_values[item[0]]]
+        else:
+            out += item
+    for item in appended:
+        out += item
+    return out, changed
+
+
 def translate(args: Sequence[str], from_gpus: int, to_gpus: int = 1) -> Translation:
     """Translate a ``from_gpus``-GPU recipe argument list to ``to_gpus`` GPUs (see the module docstring).
 
@@ -242,97 +356,12 @@ def translate(args: Sequence[str], from_gpus: int, to_gpus: int = 1) -> Translat
     except ValueError as e:
         raise TranslationError(str(e)) from None
 
-    master = values.get("--fsdp-master-dtype", "fp32")
-    if master not in ("fp32", "bf16"):
-        raise TranslationError(f"--fsdp-master-dtype {master!r} is not fp32 or bf16; use one of those")
-    if "--use-lora" not in present:
-        raise TranslationError(
-            "no --use-lora: a bf16 master would round the trained (non-LoRA) weights; add --use-lora "
-            "(the H3 recipe is LoRA SFT) or translate to more GPUs keeping the fp32 master"
-        )
-    fwd = values.get("--diffusion-forward-dtype", "bf16")
-    if fwd != "bf16":
-        raise TranslationError(
-            f"--diffusion-forward-dtype {fwd}: with a non-bf16 forward a bf16 master changes the gathered weights; "
-            "use bf16 (the recipe default) or keep the source GPU count"
-        )
-    for flag in ("--train-dp-split-mode", "--diffusion-train-dp-split"):
-        if values.get(flag, "contiguous") != "contiguous":
-            raise TranslationError(
-                f"{flag} {values[flag]}: only the contiguous DP split (the default) is emulated; drop the flag"
-            )
+    master = _check_bf16_master(values, present)
 
-    changed: list[str] = []
-    new_values: dict[str, str] = {
-        "--actor-num-gpus-per-node": str(to_gpus),
-        "--fsdp-master-dtype": "bf16",
-    }
-    if "--actor-num-nodes" in present:
-        new_values["--actor-num-nodes"] = "1"
-    for flag in RUN_NAME_FLAGS:
-        if flag in values:
-            new_values[flag] = f"onecard-{to_gpus}gpu-{values[flag]}"
-    appended: list[list[str]] = []
-    if "--actor-num-gpus-per-node" not in present:
-        appended.append(["--actor-num-gpus-per-node", str(to_gpus)])
-    if gbs_flag is None and nsteps is None:
-        appended.append(["--global-batch-size", str(gbs)])
-        changed.append(
-            f"--global-batch-size: (unset: defaults to the dp size {from_gpus}) -> {gbs}, pinned so the "
-            f"{to_gpus}-GPU run does not default to {to_gpus}"
-        )
-    if "--fsdp-master-dtype" not in present:
-        appended.append(["--fsdp-master-dtype", "bf16"])
-    if "--fsdp-cpu-offload" not in present:
-        appended.append(["--fsdp-cpu-offload"])
-        changed.append("--fsdp-cpu-offload: added; sharded params, grads and optimizer state on the host. "
-                       "Placement only: FSDP2 gathers the same values for the forward and accumulates grads by adding")
-    appended.append(["--onecard-emulate-dp-size", str(from_gpus)])
-    changed.append(
-        f"--onecard-emulate-dp-size {from_gpus}: added (onecard flag); the trainer runs pair_schedule so that "
-        f"micro-batch j of each step trains rank j's pairs with rank j's seed identity"
-    )
-    old_gpus = f"{per_node} x {nodes}" if per_node is not None else f"(unset; {from_gpus} from the launcher)"
-    changed.insert(0, f"GPU count: --actor-num-gpus-per-node/--actor-num-nodes {old_gpus} -> {to_gpus} x 1")
-    if master != "bf16":
-        changed.insert(1, f"--fsdp-master-dtype: {master} -> bf16; the frozen base is stored bf16 "
-                          "(_keep_in_fp32_modules stay fp32) and gathered as bf16 either way")
-    for flag in RUN_NAME_FLAGS:
-        if flag in values:
-            changed.append(f"{flag}: {values[flag]} -> {new_values[flag]}")
-
-    out: list[str] = []
-    for item in items:
-        if item[0] in new_values and len(item) == 2:
-            out += [item[0], new_values[item[0]]]
-        else:
-            out += item
-    for item in appended:
-        out += item
-
-    per_rank = gbs // from_gpus
-    mb_src, mb_dst = per_rank // mbs, gbs // to_gpus // mbs
-    rank, alpha = values.get("--lora-rank", "(default)"), values.get("--lora-alpha", "(default)")
-    invariants = [
-        f"global batch: {rbs} x {n} / {steps} = {gbs} samples per optimizer step on {from_gpus} and on {to_gpus} "
-        f"GPU(s): rollout_batch_size x n_samples_per_prompt / num_steps_per_rollout has no world-size term "
-        f"({gbs} divisible by {from_gpus} and {to_gpus})",
-        f"micro-batches per optimizer step: {from_gpus} GPUs x {mb_src} per rank = {to_gpus} GPU(s) x {mb_dst} "
-        f"accumulated = {gbs // mbs} micro-batches of {mbs}; none ragged",
-        f"gradient scale: each rank backprops loss_sum / num_local_pairs per micro-batch and FSDP2 averages over "
-        f"ranks: {from_gpus} GPUs: sum / {per_rank} / {from_gpus} = sum / {gbs}; {to_gpus} GPU(s): "
-        f"sum / {gbs // to_gpus} / {to_gpus} = sum / {gbs}: the mean over the step's {gbs} pairs",
-        f"optimizer steps per rollout: {rbs} x {n} / {gbs} = {steps} on both",
-        f"draws: pair_schedule({gbs}, {from_gpus}, {steps}, {mbs}) gives micro-batch (j, i) of step s rank j's "
-        f"contiguous pairs and seed stable_hash('sample', seed, rollout_id, s x {mb_src} + i, j): the "
-        f"{from_gpus}-GPU run's timestep indices and noise"
-        + (f"; GPU r runs source ranks j in [{from_gpus // to_gpus}r, {from_gpus // to_gpus}(r+1))" if to_gpus > 1 else ""),
-        f"LoRA: --lora-rank {rank}, --lora-alpha {alpha} unchanged; adapters fp32 and trainable, initialised "
-        f"as on an fp32 base",
-        f"master dtype: {master} -> bf16 changes storage only: the base is frozen and gathered at "
-        f"--diffusion-forward-dtype bf16 on both, bf16(fp32 w) == bf16(w) for the bf16 checkpoint tensors, "
-        f"and the _keep_in_fp32_modules stay fp32",
-    ]
+    out, changed = _rewritten(items, values, present, from_gpus=from_gpus, to_gpus=to_gpus, per_node=per_node,
+                              nodes=nodes, gbs=gbs, pin_gbs=gbs_flag is None and nsteps is None, master=master)
+    invariants = _invariants(values, rbs=rbs, n=n, steps=steps, gbs=gbs, mbs=mbs, from_gpus=from_gpus,
+                             to_gpus=to_gpus, master=master)
     return Translation(out, changed, invariants)
 
 
