@@ -85,6 +85,28 @@ class H3PairLayout:
         return video, audio
 
 
+def _check_h3_inputs(text_embeds: torch.Tensor, audio_latent: torch.Tensor, patch_size: tuple[int, int, int],
+                     t_video: float, t_audio: float) -> None:
+    """:func:`build_h3_inputs`'s checks of the text and audio shapes, the temporal patch and the two timesteps (the
+    video latent's shape is :func:`patchify_video`'s).
+
+    Raises:
+        ValueError: the first thing that does not match, named with its shape or value.
+    """
+    if text_embeds.ndim != 2:
+        raise ValueError(f"text_embeds must be [L, text_dim], got shape {list(text_embeds.shape)}")
+    if audio_latent.ndim != 3 or audio_latent.shape[0] != AUDIO_CHANNELS or audio_latent.shape[2] < 1:
+        raise ValueError(
+            f"audio_latent must be [{AUDIO_CHANNELS}, C_audio, N>=1] (stereo, channel-major), "
+            f"got shape {list(audio_latent.shape)}"
+        )
+    if patch_size[0] != 1:
+        raise ValueError(f"only a temporal patch of 1 is supported (H3 uses (1, 2, 2)), got {patch_size}")
+    for name, value in (("timestep", t_video), ("audio_timestep", t_audio)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1] (H3 consumes t = 1 - sigma unscaled), got {value}")
+
+
 def build_h3_inputs(
     text_embeds: torch.Tensor,
     video_latent: torch.Tensor,
@@ -124,21 +146,10 @@ def build_h3_inputs(
         MINIMAX_H3_VIDEO_TAG,
     )
 
-    if text_embeds.ndim != 2:
-        raise ValueError(f"text_embeds must be [L, text_dim], got shape {list(text_embeds.shape)}")
-    if audio_latent.ndim != 3 or audio_latent.shape[0] != AUDIO_CHANNELS or audio_latent.shape[2] < 1:
-        raise ValueError(
-            f"audio_latent must be [{AUDIO_CHANNELS}, C_audio, N>=1] (stereo, channel-major), "
-            f"got shape {list(audio_latent.shape)}"
-        )
-    if patch_size[0] != 1:
-        raise ValueError(f"only a temporal patch of 1 is supported (H3 uses (1, 2, 2)), got {patch_size}")
-    video_rows = patchify_video(video_latent, patch_size)
     t_video = float(timestep)
     t_audio = t_video if audio_timestep is None else float(audio_timestep)
-    for name, value in (("timestep", t_video), ("audio_timestep", t_audio)):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1] (H3 consumes t = 1 - sigma unscaled), got {value}")
+    _check_h3_inputs(text_embeds, audio_latent, patch_size, t_video, t_audio)
+    video_rows = patchify_video(video_latent, patch_size)
 
     device = video_latent.device
     num_text = text_embeds.shape[0]

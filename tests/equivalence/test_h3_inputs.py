@@ -41,17 +41,32 @@ def test_patchify_round_trip():
 
 
 @pytest.mark.parametrize(
-    "text,video,audio,t",
+    "text,video,audio,t,kw,match",
     [
-        ((5,), (24, 2, 4, 4), (2, 32, 3), 0.5),
-        ((5, 384), (24, 2, 4, 4), (1, 32, 3), 0.5),
-        ((5, 384), (24, 2, 3, 4), (2, 32, 3), 0.5),
-        ((5, 384), (24, 2, 4, 4), (2, 32, 3), 1.5),
+        ((5,), (24, 2, 4, 4), (2, 32, 3), 0.5, {}, r"text_embeds must be \[L, text_dim\]"),
+        ((5, 384), (24, 2, 4, 4), (1, 32, 3), 0.5, {}, r"audio_latent must be \[2, C_audio, N>=1\]"),
+        ((5, 384), (24, 2, 4, 4), (2, 32, 0), 0.5, {}, r"audio_latent must be"),
+        ((5, 384), (24, 2, 3, 4), (2, 32, 3), 0.5, {}, r"divisible"),
+        ((5, 384), (24, 2, 4, 4), (2, 32, 3), 1.5, {}, r"^timestep must be in \[0, 1\].*got 1.5"),
+        ((5, 384), (24, 2, 4, 4), (2, 32, 3), -0.25, {}, r"^timestep must be in \[0, 1\]"),
+        ((5, 384), (24, 2, 4, 4), (2, 32, 3), 0.5, {"audio_timestep": 1.01}, r"^audio_timestep must be in \[0, 1\]"),
+        ((5, 384), (24, 2, 4, 4), (2, 32, 3), 0.5, {"patch_size": (2, 2, 2)}, r"temporal patch of 1"),
     ],
+    ids=["text-1d", "audio-mono", "audio-empty", "video-odd-height", "t-above-1", "t-below-0", "audio-t-above-1",
+         "temporal-patch-2"],
 )
-def test_packed_inputs_refuse_bad_shapes(text, video, audio, t):
-    with pytest.raises(ValueError):
-        build_h3_inputs(torch.zeros(text), torch.zeros(video), torch.zeros(audio), t)
+def test_packed_inputs_refuse_bad_shapes(text, video, audio, t, kw, match):
+    """Each bad input is refused by its own check, named in the message."""
+    with pytest.raises(ValueError, match=match):
+        build_h3_inputs(torch.zeros(text), torch.zeros(video), torch.zeros(audio), t, **kw)
+
+
+def test_packed_inputs_accept_the_timestep_bounds():
+    """t = 0 and t = 1 (pure noise and clean) are inside the range."""
+    for t in (0.0, 1.0):
+        kwargs, _ = build_h3_inputs(torch.zeros(5, 384), torch.zeros(24, 2, 4, 4), torch.zeros(2, 32, 3), t,
+                                    audio_timestep=1.0 - t)
+        assert kwargs["hidden_states"].shape[0] == 1
 
 
 def test_packed_forward_runs_batch_one():
