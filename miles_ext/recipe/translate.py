@@ -119,11 +119,19 @@ def _scan(args: Sequence[str]) -> tuple[list[list[str]], dict[str, str], set[str
     return items, values, present
 
 
+_LONGEST_DIGITS = 40
+"""Digits past which a whole number is read as ``10 ** 40`` (any range check refuses it; ``int()`` of a string
+stops at 4,300 digits)."""
+
+
 def _whole(text: str) -> int | None:
-    """``text`` as a whole number (ASCII digits, an optional leading ``-``), or ``None``."""
-    t = text.strip()
-    digits = t[1:] if t.startswith("-") else t
-    return int(t) if is_whole_number(digits) else None
+    """``text`` as a whole number (ASCII digits, an optional leading ``-``; no spaces or underscores), or ``None``.
+    A number of more than :data:`_LONGEST_DIGITS` digits is read as ``+-10 ** 40``, for the range check to refuse."""
+    digits = text[1:] if text.startswith("-") else text
+    if not is_whole_number(digits):
+        return None
+    sign = -1 if text.startswith("-") else 1
+    return sign * 10 ** _LONGEST_DIGITS if len(digits) > _LONGEST_DIGITS else int(text)
 
 
 def _int(values: dict[str, str], flag: str, default: int | None) -> int | None:
@@ -141,8 +149,12 @@ def _float(values: dict[str, str], flag: str) -> float | None:
     """``flag``'s value as a number checked by its meaning (:data:`_FLOAT_MEANINGS`), or ``None`` when absent."""
     if flag not in values:
         return None
+    text = values[flag]
+    if not text.isascii() or "_" in text or text != text.strip():
+        raise TranslationError(f"{flag} must be a number in ASCII characters, without spaces or underscores, got "
+                               f"{text!r}; fix the value")
     try:
-        value = float(values[flag])
+        value = float(text)
     except ValueError:
         raise TranslationError(f"{flag} must be a number, got {values[flag]!r}; fix the value") from None
     _check_flag(value, flag)
@@ -313,13 +325,21 @@ def translate(args: Sequence[str], from_gpus: int, to_gpus: int = 1) -> Translat
     ``--global-batch-size``); ``--fsdp-master-dtype`` outside fp32/bf16; no ``--use-lora`` (a bf16 master would
     round trained weights); ``--diffusion-forward-dtype`` other than bf16 (a bf16 master would then change the
     gathered weights); a stride DP split; ``--onecard-emulate-dp-size`` already set; ``to_gpus`` not dividing
-    ``from_gpus`` (each GPU must emulate whole source ranks); a number the trainer would refuse (each flag it reads
+    ``from_gpus`` (each GPU must emulate whole source ranks); ``--actor-num-nodes`` not dividing ``from_gpus``
+    (without ``--actor-num-gpus-per-node``); an argument that is not valid UTF-8; a number the trainer would refuse (each flag it reads
     by the trainer's meaning of it, :mod:`miles_ext.recipe.meanings`: NaN, a count or rank below 1, a GPU or node
-    count <= 0, ``--lr`` above 1, an integer beyond 64 bits, digits that are not ASCII, a rollout of more than 2**20
+    count <= 0, ``--lr`` above 1, an integer beyond 64 bits, digits that are not ASCII, spaces or underscores in a
+    number, a rollout of more than 2**20
     samples, ``(alpha / rank) x lr`` above 1).
     """
     if from_gpus < 1 or to_gpus < 1:
         raise TranslationError("--from-gpus and --to-gpus must be >= 1")
+    for tok in args:
+        try:
+            tok.encode("utf-8")
+        except UnicodeEncodeError:
+            raise TranslationError(f"recipe argument {tok!r} is not valid UTF-8 (a byte the translated line could "
+                                   "not be written with); fix the argument") from None
     _check_flag(from_gpus, "--from-gpus")
     _check_flag(to_gpus, "--to-gpus")
     if from_gpus % to_gpus:
@@ -336,6 +356,11 @@ def translate(args: Sequence[str], from_gpus: int, to_gpus: int = 1) -> Translat
         raise TranslationError(
             f"--actor-num-gpus-per-node {per_node} x --actor-num-nodes {nodes} = {per_node * nodes} GPUs, "
             f"but --from-gpus is {from_gpus}; make them agree"
+        )
+    if per_node is None and from_gpus % nodes:
+        raise TranslationError(
+            f"--actor-num-nodes {nodes} does not divide --from-gpus {from_gpus} (the same GPUs on every node); "
+            "make them agree, or give --actor-num-gpus-per-node"
         )
     if "--onecard-emulate-dp-size" in values:
         raise TranslationError("--onecard-emulate-dp-size is already set: translate the original N-GPU recipe")
