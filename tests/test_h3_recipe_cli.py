@@ -127,7 +127,7 @@ def test_out_file_is_written_on_success(tmp_path, capsys):
         ({"--diffusion-forward-dtype": "fp32"}, "--diffusion-forward-dtype fp32"),
         ({"--train-dp-split-mode": "stride"}, "only the contiguous DP split"),
         ({"--rollout-batch-size": None}, "--rollout-batch-size is required"),
-        ({"--lora-rank": "x", "--rollout-batch-size": "x"}, "must be an integer"),
+        ({"--lora-rank": "x", "--rollout-batch-size": "x"}, "invalid int value"),
     ],
 )
 def test_refusals_exit_2_with_one_error_line_and_write_nothing(tmp_path, capsys, edit, needle):

@@ -26,13 +26,12 @@ import dataclasses
 import shlex
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from miles_ext.recipe import meanings as mn
 from miles_ext.recipe.schedule import check_schedule, derive_batch
 from patches.core.config import ConfigError, Meaning, check_meaning
-from patches.core.errors import UserError, cli
-from patches.core.flags import is_whole_number
+from patches.core.errors import UserError, ascii_number, cli
 from patches.core.io import atomic_write_text
 
 __all__ = ["TranslationError", "Translation", "translate", "main"]
@@ -119,28 +118,24 @@ def _scan(args: Sequence[str]) -> tuple[list[list[str]], dict[str, str], set[str
     return items, values, present
 
 
-_LONGEST_DIGITS = 40
-"""Digits past which a whole number is read as ``10 ** 40`` (any range check refuses it; ``int()`` of a string
-stops at 4,300 digits)."""
+_READ = {int: ascii_number(int), float: ascii_number(float)}
+"""The project's number readers (ASCII only, no spaces or underscores, integers within 64 bits)."""
 
 
-def _whole(text: str) -> int | None:
-    """``text`` as a whole number (ASCII digits, an optional leading ``-``; no spaces or underscores), or ``None``.
-    A number of more than :data:`_LONGEST_DIGITS` digits is read as ``+-10 ** 40``, for the range check to refuse."""
-    digits = text[1:] if text.startswith("-") else text
-    if not is_whole_number(digits):
-        return None
-    sign = -1 if text.startswith("-") else 1
-    return sign * 10 ** _LONGEST_DIGITS if len(digits) > _LONGEST_DIGITS else int(text)
+def _number(flag: str, text: str, kind: type) -> Any:
+    """``text`` of ``flag`` read by :data:`_READ` (``kind`` ``int`` or ``float``); :class:`TranslationError` (one
+    line) if it is not such a number."""
+    try:
+        return _READ[kind](text)
+    except argparse.ArgumentTypeError as e:
+        raise TranslationError(f"{flag}: {e}; fix the value") from None
 
 
 def _int(values: dict[str, str], flag: str, default: int | None) -> int | None:
     """``flag``'s value as a whole number checked by its meaning (:data:`_INT_MEANINGS`), or ``default`` when absent."""
     if flag not in values:
         return default
-    value = _whole(values[flag])
-    if value is None:
-        raise TranslationError(f"{flag} must be an integer (ASCII digits), got {values[flag]!r}; fix the value")
+    value = _number(flag, values[flag], int)
     _check_flag(value, flag)
     return value
 
@@ -149,14 +144,7 @@ def _float(values: dict[str, str], flag: str) -> float | None:
     """``flag``'s value as a number checked by its meaning (:data:`_FLOAT_MEANINGS`), or ``None`` when absent."""
     if flag not in values:
         return None
-    text = values[flag]
-    if not text.isascii() or "_" in text or text != text.strip():
-        raise TranslationError(f"{flag} must be a number in ASCII characters, without spaces or underscores, got "
-                               f"{text!r}; fix the value")
-    try:
-        value = float(text)
-    except ValueError:
-        raise TranslationError(f"{flag} must be a number, got {values[flag]!r}; fix the value") from None
+    value = _number(flag, values[flag], float)
     _check_flag(value, flag)
     return value
 
@@ -326,11 +314,10 @@ def translate(args: Sequence[str], from_gpus: int, to_gpus: int = 1) -> Translat
     round trained weights); ``--diffusion-forward-dtype`` other than bf16 (a bf16 master would then change the
     gathered weights); a stride DP split; ``--onecard-emulate-dp-size`` already set; ``to_gpus`` not dividing
     ``from_gpus`` (each GPU must emulate whole source ranks); ``--actor-num-nodes`` not dividing ``from_gpus``
-    (without ``--actor-num-gpus-per-node``); an argument that is not valid UTF-8; a number the trainer would refuse (each flag it reads
-    by the trainer's meaning of it, :mod:`miles_ext.recipe.meanings`: NaN, a count or rank below 1, a GPU or node
-    count <= 0, ``--lr`` above 1, an integer beyond 64 bits, digits that are not ASCII, spaces or underscores in a
-    number, a rollout of more than 2**20
-    samples, ``(alpha / rank) x lr`` above 1).
+    (without ``--actor-num-gpus-per-node``); an argument that is not valid UTF-8; a number the trainer would refuse
+    (each flag it reads by the trainer's meaning of it, :mod:`miles_ext.recipe.meanings`: NaN, a count or rank below
+    1, a GPU or node count <= 0, ``--lr`` above 1, an integer beyond 64 bits, digits that are not ASCII, spaces or
+    underscores in a number, a rollout of more than 2**20 samples, ``(alpha / rank) x lr`` above 1).
     """
     if from_gpus < 1 or to_gpus < 1:
         raise TranslationError("--from-gpus and --to-gpus must be >= 1")
@@ -399,20 +386,12 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def _gpu_count(text: str) -> int:
-    """``--from-gpus`` / ``--to-gpus``: a whole number in ASCII digits (its range is :func:`translate`'s)."""
-    value = _whole(text)
-    if value is None:
-        raise argparse.ArgumentTypeError(f"must be a whole number (ASCII digits), got {text!r}")
-    return value
-
-
 def _translate_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m miles_ext.recipe.translate", allow_abbrev=False, description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p
-    t.add_argument("--from-gpus", type=_gpu_count, required=True, help="GPU count of the source recipe (e.g. 8)")
-    t.add_argument("--to-gpus", type=_gpu_count, default=1, help="GPU count to run on (default 1)")
+    t.add_argument("--from-gpus", type=_READ[int], required=True, help="GPU count of the source recipe (e.g. 8)")
+    t.add_argument("--to-gpus", type=_READ[int], default=1, help="GPU count to run on (default 1)")
     t.add_argument("--out", type=Path, default=None, help="also write the translated argument line here")
     return p
 

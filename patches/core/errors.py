@@ -40,15 +40,18 @@ def ascii_number(kind: type) -> Callable[[str], Any]:
     (which ``int()`` reads: ``"1_0"`` is 10) are refused too. Refusals are argparse's one line."""
 
     def parse(text: str) -> Any:
+        shown = repr(text[:40] + "..." if len(text) > 40 else text)  # a bad value quoted, not pasted whole
         if not text.isascii():
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number in ASCII digits: type it with 0-9")
+            raise argparse.ArgumentTypeError(f"{shown} is not a number in ASCII digits: type it with 0-9")
         if text != text.strip() or "_" in text:  # int() and float() take " 3", "3\n" and "1_0" (10)
-            raise argparse.ArgumentTypeError(f"{text!r} has spaces or underscores: type the number alone, e.g. "
-                                             f"{text.strip().replace('_', '') or '3'}")
+            raise argparse.ArgumentTypeError(f"{shown} has spaces or underscores: type the number alone, e.g. "
+                                             f"{text.strip().replace('_', '')[:40] or '3'}")
+        if kind is int and len(text.lstrip("+-").lstrip("0")) > len(str(INT64_MAX)):  # int() of 4,300+ digits raises
+            raise argparse.ArgumentTypeError(f"{shown[1:-1]} does not fit a 64-bit signed integer (at most {INT64_MAX})")
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {shown}") from None
         if kind is int and not -INT64_MAX - 1 <= value <= INT64_MAX:  # the range of config.Meaning(bits=64)
             raise argparse.ArgumentTypeError(f"{text} does not fit a 64-bit signed integer (at most {INT64_MAX})")
         return value
