@@ -807,9 +807,10 @@ def test_a_recipe_toml_without_its_tables_is_refused(tmp_path, text):
 @pytest.mark.parametrize("argv,needle", [
     (["--max-iter", "٥"], "argument --max-iter: '٥' is not a number in ASCII digits"),
     (["--max-iter", "99999999999999999999999"], "does not fit a 64-bit signed integer"),
+    (["--max-iter", "9223372036854775808"], "9223372036854775808 does not fit a 64-bit signed integer"),
     (["--max-iter", "3 "], "'3 ' has spaces or underscores: type the number alone, e.g. 3"),
     (["--max-iter", "1_0"], "'1_0' has spaces or underscores: type the number alone, e.g. 10"),
-], ids=["arabic-indic-digit", "beyond-int64", "trailing-space", "underscore"])
+], ids=["arabic-indic-digit", "beyond-int64", "int64-max-plus-1", "trailing-space", "underscore"])
 def test_command_line_numbers_are_ascii_and_fit_64_bits(argv, needle, capsys):
     """``int("٥")`` is 5 in Python: every ``type=int``/``float`` flag of every command reads ASCII only, and an int
     fits 64 bits (:func:`patches.core.errors.ascii_number`, installed by its ``ArgumentParser``)."""
