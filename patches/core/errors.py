@@ -33,6 +33,12 @@ EXIT_INTERRUPTED = 130
 INT64_MAX = 2**63 - 1
 
 
+def shown(value: object, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters plus ``...`` (a bad value quoted in a one-line message)."""
+    text = str(value)
+    return repr(text[:limit] + "..." if len(text) > limit else value)
+
+
 def ascii_number(kind: type) -> Callable[[str], Any]:
     """An argparse ``type=`` that reads ``kind`` (``int`` or ``float``) from ASCII text only: ``int()`` and
     ``float()`` also take other scripts' digits (``"٥"`` is 5), which no shell user means; an ``int`` must fit a
@@ -40,18 +46,19 @@ def ascii_number(kind: type) -> Callable[[str], Any]:
     (which ``int()`` reads: ``"1_0"`` is 10) are refused too. Refusals are argparse's one line."""
 
     def parse(text: str) -> Any:
-        shown = repr(text[:40] + "..." if len(text) > 40 else text)  # a bad value quoted, not pasted whole
+        quoted = shown(text)  # a bad value quoted, not pasted whole
         if not text.isascii():
-            raise argparse.ArgumentTypeError(f"{shown} is not a number in ASCII digits: type it with 0-9")
+            raise argparse.ArgumentTypeError(f"{quoted} is not a number in ASCII digits: type it with 0-9")
         if text != text.strip() or "_" in text:  # int() and float() take " 3", "3\n" and "1_0" (10)
-            raise argparse.ArgumentTypeError(f"{shown} has spaces or underscores: type the number alone, e.g. "
+            raise argparse.ArgumentTypeError(f"{quoted} has spaces or underscores: type the number alone, e.g. "
                                              f"{text.strip().replace('_', '')[:40] or '3'}")
         if kind is int and len(text.lstrip("+-").lstrip("0")) > len(str(INT64_MAX)):  # int() of 4,300+ digits raises
-            raise argparse.ArgumentTypeError(f"{shown[1:-1]} does not fit a 64-bit signed integer (at most {INT64_MAX})")
+            raise argparse.ArgumentTypeError(f"{quoted[1:-1]} does not fit a 64-bit signed integer "
+                                             f"(at most {INT64_MAX})")
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {shown}") from None
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {quoted}") from None
         if kind is int and not -INT64_MAX - 1 <= value <= INT64_MAX:  # the range of config.Meaning(bits=64)
             raise argparse.ArgumentTypeError(f"{text} does not fit a 64-bit signed integer (at most {INT64_MAX})")
         return value

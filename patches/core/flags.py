@@ -12,7 +12,7 @@ import math
 import os
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, shown  # noqa: F401 - shown: read from here too
 
 _TRUE = {"1", "true", "yes"}
 _FALSE = {"0", "false", "no", ""}
@@ -175,12 +175,6 @@ def read_count(text: str) -> int | None:
     the count reader of every auto/number/none setting (:func:`parse_resident_blocks`,
     ``miles_ext.levers.input_recompute.parse_setting``)."""
     return int(text) if is_whole_number(text) and len(text.lstrip("0")) <= MAX_COUNT_DIGITS else None
-
-
-def shown(value: object, limit: int = 40) -> str:
-    """``repr(value)``, cut to ``limit`` characters plus ``...`` (a bad value quoted in a one-line message)."""
-    text = str(value)
-    return repr(text[:limit] + "..." if len(text) > limit else value)
 
 
 MAX_GPU_GIB = 1024.0
