@@ -29,7 +29,8 @@ main thread, as before they moved to the loader threads: the A/B of that change)
 and that row ``+ lookup tables on the host`` (``[onecard] host_embeddings``: the GiB the tables free goes to fewer
 checkpointed layers), ``+ variable-length attention`` (``[onecard] attention = "varlen"``) and ``+ text K/V cache``
 (``[onecard] text_kv_cache = true``: the text stream's keys and values from a per-caption cache, the text stream not
-run);
+run), and the last two ``+ background threads capped`` (``[onecard] background_threads = "auto"``: the loader threads'
+and the EMA lerp's CPU operators on a share of the cores each, not all of them each);
 ``12 GB card: all levers + optimizer-state streaming + lookup tables on the host`` (``[onecard] host_embeddings``,
 full checkpointing, its own cap of 11.0 GiB); ``stock`` (capped: expected out of memory), ``EMA lever``, ``VAE lever``.
 
@@ -39,7 +40,8 @@ Configurations 4 and 5 need the trainer's packed-attention setting (``[onecard] 
 
 **Reported per configuration:** median s per micro-batch and per optimizer step (the upper median, an element of
 the list, over the steps after the warm-up), each measured micro-batch's seconds in order (JSON ``micro_batch_s``: the outliers a median hides) beside its tokens
-(``tokens_per_micro_batch``, the same order: a slow micro-batch is told from a long one), s per sample
+(``tokens_per_micro_batch``, the same order: a slow micro-batch is told from a long one), every step's loss (JSON
+``losses``, the warm-up's included: rows of one process train the same samples), s per sample
 (measured micro-batch time / samples), peak allocated and reserved GiB, the ledger's prediction,
 model FLOPs utilisation, the latent cache's pre-pass (s, hits, misses, bytes; **not** part of any step time),
 the EMA's time on the critical path, VAE park + unpark per micro-batch, host RSS (the run's peak, and the peak
@@ -160,6 +162,8 @@ class Config:
     """``[onecard] text_kv_cache = true`` (the frozen text stream's keys and values from a per-caption cache)."""
     offload_layers: int = 0
     """``[onecard] offload_layers`` to set (0: none; ``--offload-layers`` replaces it where it is set)."""
+    background_threads: str = ""
+    """``[onecard] background_threads`` to set (empty: the trainer's default, no cap)."""
     inputs_on_main_thread: bool = False
     """Build every micro-batch's host inputs on the main thread (the trainer's path before they moved to the loader
     threads: the A/B of that change)."""
@@ -227,6 +231,15 @@ OPTIONAL = [
            "+ lookup tables on the host + variable-length attention + text K/V cache",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_VARLEN, compile=True, selective=True,
            checkpoint_layers="auto", detach_text_stream=True, host_embeddings=True, text_kv_cache=True),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached "
+           "+ lookup tables on the host + variable-length attention + background threads capped",
+           {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_VARLEN, compile=True, selective=True,
+           checkpoint_layers="auto", detach_text_stream=True, host_embeddings=True, background_threads="auto"),
+    Config("all levers + optimizer-state streaming + selective AC + fewer checkpointed layers + text stream detached "
+           "+ lookup tables on the host + variable-length attention + text K/V cache + background threads capped",
+           {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_VARLEN, compile=True, selective=True,
+           checkpoint_layers="auto", detach_text_stream=True, host_embeddings=True, text_kv_cache=True,
+           background_threads="auto"),
     Config("12 GB card: all levers + optimizer-state streaming + lookup tables on the host",
            {EMA: "1", VAE: "1", CACHE: "1", OPT: "1"}, True, attention=ATTENTION_FLEX, compile=True,
            host_embeddings=True, cap_gib=TWELVE_GB_CAP_GIB),
@@ -353,6 +366,7 @@ def recipe_toml(cfg: Config, grad_accum: int, steps: int, dest: Path, checkpoint
               "checkpoint_layers": int(layers) if layers.isdigit() else layers,
               "host_embeddings": cfg.host_embeddings, "compile_wrapper": cfg.compile_wrapper,
               "detach_text_stream": cfg.detach_text_stream, "text_kv_cache": cfg.text_kv_cache,
+              "background_threads": cfg.background_threads,
               "offload_layers": (offload_layers or cfg.offload_layers) if cfg.offload_layers else False}
     # unset: False or "" (0 checkpointed layers is a value); JSON writes these scalars as TOML does
     onecard = [f"{key} = {json.dumps(value)}" for key, value in values.items() if value is not False and value != ""]
@@ -619,10 +633,11 @@ def run_one(cfg: Config, args: argparse.Namespace, tmp: Path, flops_p: dict | No
                                                              "encode_seconds")},
         peak_host_rss_gib=s["peak_host_rss_gib"], pinned_gib=s["pinned_bytes"] / GiB,
         **save_host(s),
-        samples_per_step=s["samples_per_optimizer_step"],
+        samples_per_step=s["samples_per_optimizer_step"], losses=s.get("losses"),  # every step's, warm-up included
         checkpoint_layers=s.get("checkpoint_layers"), offload=s.get("offload"),
         host_tables_gib=(s.get("host_tables") or {}).get("host_bytes", 0) / GiB,
         host_inputs_built=s.get("host_inputs_built"),
+        background_threads=s.get("background_threads"),
         compile_note=s.get("compile"),
         allocator=allocator_delta(before) if cuda else None,
         # pinned blocks the measured steps had CUDA page-lock (a loader thread's call holds the driver's lock)

@@ -42,6 +42,7 @@ def test_smoke_run_writes_the_table(bench, tmp_path, edge_smoke_env):
     assert cached["prepass_s"] > 0 and all(r["s_per_sample"] > 0 and r["model_tflop_per_s"] > 0 for r in rows)
     assert all(len(r["micro_batch_s"]) == 1 and r["micro_batch_s"][0] > 0 for r in rows)  # step 2 of 2 (ga 1)
     assert all(len(r["tokens_per_micro_batch"]) == len(r["micro_batch_s"]) for r in rows)  # index for index
+    assert all(len(r["losses"]) == 2 and all(x > 0 for x in r["losses"]) for r in rows)  # every step's, warm-up too
     assert all(r["host_rss_save_gib"] > 0 and r["checkpoint_gb"] > 0 for r in rows)  # each row saved once...
     assert not list(tmp_path.rglob("iter_*.pt"))  # ...and deleted its checkpoint
     md = (tmp_path / f"{stem}.md").read_text()
@@ -164,3 +165,14 @@ def test_pinned_allocator_reads_the_growth_counters(bench, monkeypatch):
     assert bench.counter_delta({"a": 1}, {"a": 4, "b": 2}) == {"a": 3, "b": 2}  # a counter new since before: from 0
     monkeypatch.delattr(bench.torch.cuda, "host_memory_stats")
     assert bench.pinned_allocator() is None
+
+
+def test_the_capped_rows_cap_the_background_threads_and_only_they(bench, tmp_path):
+    from cosmos_framework_ext.recipe.config import load as load_sft_config
+
+    capped = [c for c in bench.OPTIONAL if c.name.endswith("+ background threads capped")]
+    assert len(capped) == 2
+    for c in capped:
+        twin = next(o for o in bench.OPTIONAL if o.name == c.name.removesuffix(" + background threads capped"))
+        assert load_sft_config(bench.recipe_toml(c, 8, 3, tmp_path)).onecard.background_threads == "auto"
+        assert load_sft_config(bench.recipe_toml(twin, 8, 3, tmp_path)).onecard.background_threads == "all"

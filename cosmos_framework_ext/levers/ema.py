@@ -46,6 +46,7 @@ from torch import nn
 from patches.core.host_arena import HostArena
 from patches.core.io import alias_bytes
 from patches.core.streamsave import Deferred
+from patches.core.threads import thread_pool
 from patches.core.runtime import as_dtensor, shard_of, to_local
 
 _STRIP = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -117,6 +118,8 @@ class Placement:
         sources: the tracked parameters' local tensors (detached), in tracking order.
         pin: page-lock host buffers when CUDA is present (host placements only).
         chunk_numel: elements upcast to fp32 at a time in a host lerp (host placements only).
+        threads: intra-op CPU threads of the host lerp's worker thread (``None``: PyTorch's default, one per core;
+            :func:`patches.core.threads.cap_this_thread`; host placements only). The values do not depend on it.
 
     Attributes:
         shadow: the fp32 EMA, one tensor per source.
@@ -126,7 +129,8 @@ class Placement:
     name = ""
     store_device: str | None = None
 
-    def __init__(self, sources: list[torch.Tensor], *, pin: bool = True, chunk_numel: int = 1 << 25):
+    def __init__(self, sources: list[torch.Tensor], *, pin: bool = True, chunk_numel: int = 1 << 25,
+                 threads: int | None = None):
         self.shadow: list[torch.Tensor] = []
 
     @classmethod
@@ -166,7 +170,8 @@ class DevicePlacement(Placement):
 
     name = "device"
 
-    def __init__(self, sources: list[torch.Tensor], *, pin: bool = True, chunk_numel: int = 1 << 25):
+    def __init__(self, sources: list[torch.Tensor], *, pin: bool = True, chunk_numel: int = 1 << 25,
+                 threads: int | None = None):
         super().__init__(sources)
         self.shadow = [s.to(torch.float32).clone() for s in sources]
         self.device = sources[0].device if sources else torch.device("cpu")
@@ -205,7 +210,8 @@ class CpuSubsetPlacement(Placement):
     name = "cpu_subset"
     store_device = "cpu"
 
-    def __init__(self, sources: list[torch.Tensor], *, pin: bool = True, chunk_numel: int = 1 << 25):
+    def __init__(self, sources: list[torch.Tensor], *, pin: bool = True, chunk_numel: int = 1 << 25,
+                 threads: int | None = None):
         super().__init__(sources)
         self.device = sources[0].device
         self._ema_arena = HostArena([(t.shape, torch.float32) for t in sources], pin=pin, name="ema")
@@ -218,7 +224,7 @@ class CpuSubsetPlacement(Placement):
             for s, t in zip(self.shadow, sources):
                 s.copy_(t)
         self.chunk_numel = chunk_numel
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="onecard-ema")
+        self._pool = thread_pool(1, "onecard-ema", threads)
         self._pending: concurrent.futures.Future | None = None
         self._copy_done: "torch.cuda.Event | None" = None
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -326,6 +332,7 @@ class EMA:
             default the ones with ``requires_grad``. ``device`` tracks every parameter, as upstream.
         pin: page-lock host buffers when CUDA is present.
         chunk_numel: elements upcast to fp32 at a time in a host lerp (bounds the temporary memory).
+        threads: intra-op CPU threads of ``cpu_subset``'s host lerp (``None``: PyTorch's default); the same values.
 
     Attributes:
         num_updates: updates applied (checkpointed with the shadow).
@@ -345,6 +352,7 @@ class EMA:
         trainable: list[str] | None = None,
         pin: bool = True,
         chunk_numel: int = 1 << 25,
+        threads: int | None = None,
     ):
         if isinstance(placement, str):
             if placement not in PLACEMENTS:
@@ -361,7 +369,7 @@ class EMA:
         # (mesh, placements, global shape, global stride) of each tracked parameter: a shard's place in the whole
         self._meta = [(getattr(params[n], "device_mesh", None), getattr(params[n], "placements", None),
                        tuple(params[n].shape), tuple(params[n].stride())) for n in names]
-        self._impl = placement(self._sources(), pin=pin, chunk_numel=chunk_numel)
+        self._impl = placement(self._sources(), pin=pin, chunk_numel=chunk_numel, threads=threads)
         self.placement = placement.name
         self.num_updates = 0
         self.last_beta = 0.0

@@ -54,6 +54,7 @@ from patches.core.host_arena import pinned_bytes_total
 from patches.core.runtime import GiB, agree_max, host_available, host_rss, median, rank_world, stable_hash
 from patches.core.sampler import MemorySampler
 from patches.core.summary import run_summary
+from patches.core.threads import background_threads
 from patches.core.trainer import StepResult
 from patches.core.units import gib_or_mib
 
@@ -171,6 +172,8 @@ def _check_base_checkpoint(load_path: str) -> None:
         raise UserError(f"BASE_CHECKPOINT_PATH={path} holds no net.* tensors: {fix}")
 
 
+PREFETCH_DEPTH = 2
+"""Micro-batches the loader threads prepare ahead (so at most this many of them run CPU operators at once)."""
 _VAE_STATS = ("latents_mean", "latents_std")
 
 
@@ -777,10 +780,13 @@ class CosmosSFT(skeleton.Recipe):
         ema_cfg = self.cfg.model.ema
         self.gamma = 0.0
         self.ema_note = "off"
+        # each background thread's intra-op CPU threads: the loader threads at work at once, and the EMA's host lerp
+        self.background_threads = background_threads(self.cfg.onecard.background_threads,
+                                                     PREFETCH_DEPTH + int(ema_cfg.enabled and self.ema_lever))
         if ema_cfg.enabled:
             self.gamma = power_ema_gamma(ema_cfg.rate)
             placement = "cpu_subset" if self.ema_lever else "device"
-            self.ema = EMA(self.model, placement=placement, trainable=self.trainable)
+            self.ema = EMA(self.model, placement=placement, trainable=self.trainable, threads=self.background_threads)
             self.ema.attach_optimizer(self.opt)
             stack.callback(self.ema.close)
             self.ema_note = "CPU subset (lever)" if self.ema_lever else f"stock full fp32 clone on {self.device}"
@@ -985,7 +991,8 @@ class CosmosSFT(skeleton.Recipe):
             return batch, None, None
 
         self._it = prefetched(enumerate(it, start=self.consumed), cached if self.latents is not None else decoded,
-                              workers=max(1, min(8, (os.cpu_count() or 2) - 1)))
+                              workers=max(1, min(8, (os.cpu_count() or 2) - 1)), depth=PREFETCH_DEPTH,
+                              threads=self.background_threads)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.mem = MemorySampler(self.device, interval_s=self.sample_s).start()
@@ -1162,6 +1169,7 @@ class CosmosSFT(skeleton.Recipe):
             text_stream_detached=is_detached(self.model),
             checkpoint_layers=self.checkpoint_layers,
             host_inputs_built=dict(self.inputs_built),
+            background_threads=self.background_threads,
             host_tables=None if self.host_tables is None else {"names": self.host_tables.names,
                                                                "host_bytes": self.host_tables.host_bytes},
             offload=None if self.act_offload is None else {

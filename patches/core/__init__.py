@@ -18,6 +18,7 @@
 - :mod:`.host_arena`  -- exact-size pinned host memory.
 - :mod:`.ledger`      -- the memory ledger's table (components, totals, fit verdict).
 - :mod:`.sampler`     -- the GPU/host memory timeline sampler.
+- :mod:`.threads`     -- the intra-op CPU threads of one background thread (a per-thread cap) and the pools that use it.
 - :mod:`.torch_internals` -- the guarded table of torch-private FSDP2 internals the H3 levers touch.
 - :mod:`.data`        -- dataset rows, video decode and clip cache, the sample dataset, the one latent cache, prefetch.
 """

@@ -1,0 +1,126 @@
+"""The CPU threads of background work: a cap on one thread's intra-op threads, and the count a trainer gives each.
+
+A trainer's background threads (the loader threads that build the next micro-batches' host inputs, the EMA's host
+lerp) run PyTorch CPU operators, and each such operator splits its work over the calling thread's own OpenMP team:
+by default one thread per core, for every calling thread. Two loader threads and the EMA worker can so keep three
+teams of all the cores busy at once, while the thread that launches the GPU's kernels (and autograd's device thread)
+wait for a core: a host-paced forward then stalls the GPU. :func:`cap_this_thread` caps the team of the thread that
+calls it only; the main thread, and threads that never call it, keep PyTorch's default.
+
+The values do not change: the operators these threads run (copies, ``cat``, ``index_select``, pinning, the
+elementwise lerp) compute each element the same way whatever the team's size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+__all__ = ["background_threads", "cap_this_thread", "cores", "thread_pool"]
+
+_RUNTIMES = ("libgomp", "libiomp5", "libomp")
+"""OpenMP runtimes ATen may be linked against (GNU, Intel, LLVM); each exports ``omp_set_num_threads``."""
+
+
+def cores() -> int:
+    """CPU cores this process may run on (its affinity where the OS reports one), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
+
+
+def background_threads(setting: int | str, busy_threads: int) -> int | None:
+    """Intra-op threads for each of ``busy_threads`` background threads under ``setting``.
+
+    Args:
+        setting: ``"all"`` (no cap: PyTorch's default, one per core, for each), ``"auto"`` (the cores less two, for
+            the main thread and autograd's device thread, shared among the busy threads; at least 1), or a positive
+            count each.
+        busy_threads: background threads that may run CPU operators at once (>= 1).
+
+    Returns:
+        The cap for each, or ``None`` for no cap.
+
+    Raises:
+        ValueError: a setting that is none of these (the config refuses it first), or ``busy_threads`` < 1.
+    """
+    if busy_threads < 1:
+        raise ValueError(f"busy_threads must be at least 1, not {busy_threads}")
+    if setting == "all":
+        return None
+    if setting == "auto":
+        return max(1, (cores() - 2) // busy_threads)
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"background threads must be \"all\", \"auto\" or a positive count, not {setting!r}")
+    return setting
+
+
+@functools.cache
+def _setters() -> tuple[Callable[[int], None], ...]:
+    """``omp_set_num_threads`` of each OpenMP runtime mapped into this process, torch's own first; none where ATen's
+    parallel backend is not OpenMP or ``/proc/self/maps`` cannot be read."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return ()
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return ()
+    paths = {line.split(maxsplit=5)[5].strip() for line in maps.splitlines() if len(line.split(maxsplit=5)) == 6}
+    libs = sorted((p for p in paths if Path(p).name.startswith(_RUNTIMES)),
+                  key=lambda p: not p.startswith(str(Path(torch.__file__).parent)))
+    out = []
+    for path in libs:
+        try:
+            fn = ctypes.CDLL(path).omp_set_num_threads
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], None
+        out.append(fn)
+    return tuple(out)
+
+
+def cap_this_thread(n: int | None) -> bool:
+    """Cap the intra-op threads of the PyTorch CPU operators the calling thread runs at ``n``; other threads, and
+    the default of threads that start later, keep theirs. For a worker pool's ``initializer``.
+
+    It sets the OpenMP runtime's per-thread count (``omp_set_num_threads``, a per-thread setting) after making ATen
+    initialise this thread's own (which it does once per thread, at its first parallel operator, from the
+    process-wide ``torch.set_num_threads`` value: done later, that would undo the cap). ``torch.set_num_threads``
+    itself would also change that process-wide value for every thread started afterwards.
+
+    Args:
+        n: the cap (>= 1), or ``None``: leave the thread as it is.
+
+    Returns:
+        Whether the thread's operators now use at most ``n`` threads (``torch.get_num_threads()`` reads ``n`` in it);
+        ``False`` where ATen's backend is not OpenMP or its runtime was not found: the thread keeps the default.
+
+    Raises:
+        ValueError: ``n`` < 1.
+    """
+    if n is None:
+        return False
+    if n < 1:
+        raise ValueError(f"an intra-op thread cap is at least 1, not {n}")
+    torch.get_num_threads()  # ATen's once-per-thread initialisation, now, before the cap
+    for setter in _setters():
+        setter(n)
+        if torch.get_num_threads() == n:
+            return True
+    return False
+
+
+def thread_pool(workers: int, name: str, threads: int | None = None) -> concurrent.futures.ThreadPoolExecutor:
+    """A ``ThreadPoolExecutor`` of ``workers`` threads named ``name-*``, each capped at ``threads`` intra-op threads
+    (:func:`cap_this_thread`); ``threads=None``: exactly the pool without a cap (no initializer)."""
+    if threads is None:
+        return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+    return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name,
+                                                 initializer=cap_this_thread, initargs=(threads,))
