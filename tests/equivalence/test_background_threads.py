@@ -162,6 +162,36 @@ def test_the_host_lerp_gives_the_same_bits_on_one_thread(two_threads):
     assert torch.allclose(one, ref, rtol=0, atol=1e-6)
 
 
+def test_a_cap_the_runtime_did_not_take_is_reported_as_not_held(monkeypatch, two_threads):
+    """``cap_this_thread`` reads the count back: a setter that changed nothing, or no runtime found, is ``False``."""
+    def in_a_thread():
+        return concurrent.futures.ThreadPoolExecutor(1).submit(lambda: (threads.cap_this_thread(1),
+                                                                        torch.get_num_threads())).result()
+
+    monkeypatch.setattr(threads, "_setters", lambda: (lambda n: None,))  # a runtime ATen does not use
+    assert in_a_thread() == (False, 2)
+    monkeypatch.setattr(threads, "_setters", lambda: ())  # no OpenMP runtime found
+    assert in_a_thread() == (False, 2)
+
+
+def test_the_openmp_runtime_is_found_where_aten_uses_openmp():
+    threads._setters.cache_clear()
+    found = threads._setters()
+    assert bool(found) == ("parallel backend: OpenMP" in torch.__config__.parallel_info())
+
+
+@pytest.mark.parametrize("ema_lever,cap", [("1", 3), ("0", 4)])
+def test_the_trainer_counts_the_ema_worker_among_the_busy_threads(env, monkeypatch, capsys, ema_lever, cap):
+    monkeypatch.setattr(threads, "cores", lambda: 11)  # "auto": 9 cores for 2 loader threads (+ the EMA's worker)
+    monkeypatch.setattr(train, "PREFETCH_DEPTH", 2)
+    toml = small_toml(env)
+    toml.write_text(_set(toml.read_text(), '"auto"'))
+    monkeypatch.setenv("COSMOS_EMA_CPU_SUBSET", ema_lever)
+    rc, _, err = run_main(["--sft-toml", str(toml), "--max-iter", "1"], capsys)
+    assert rc == 0, err
+    assert json.loads((_job(env / "out") / "summary.json").read_text())["background_threads"] == cap
+
+
 @pytest.mark.parametrize("setting,busy,want", [("all", 3, None), (4, 3, 4), (1, 1, 1)])
 def test_the_count_each_background_thread_gets(setting, busy, want):
     assert threads.background_threads(setting, busy) == want
