@@ -22,6 +22,7 @@ accepted.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import sys
@@ -348,8 +349,8 @@ class OnecardConfig:
     """Intra-op CPU threads of each background thread of the training loop (the loader threads that build the next
     micro-batches' host inputs, the EMA's host lerp), so that their CPU operators leave cores to the thread that
     launches the GPU's work (patches.core.threads). ``"all"`` (default): PyTorch's default, one per core, for each.
-    ``"auto"``: the cores less two shared among the loader threads at work at once and the EMA worker. A positive
-    integer: that many each. The same values whatever the count (proof tests/equivalence/test_background_threads.py).
+    ``"auto"``: the cores less two shared among the loader threads at work at once and the EMA worker. An integer:
+    that many each, from 1 to the cores this process may run on (more is refused). The same values whatever the count (proof tests/equivalence/test_background_threads.py).
     The embedded trainer only."""
     keep_checkpoints: int = dataclasses.field(default=2, metadata=meaning(ge=0))
     """Checkpoints kept in ``<run dir>/checkpoints`` after each save, the new one included (0: all). Each edge-preset
@@ -620,6 +621,10 @@ def _main(argv: list[str] | None = None) -> int:
         if cfg.onecard.text_kv_cache:
             print(f"onecard: {args[1]} sets [onecard] text_kv_cache = true, which only the embedded trainer runs: "
                   "upstream's trainer runs the text stream in every layer", file=sys.stderr)
+        if cfg.onecard.background_threads != "all":
+            print(f"onecard: {args[1]} sets [onecard] background_threads = {json.dumps(cfg.onecard.background_threads)}, "
+                  "which only the embedded trainer reads: upstream's trainer keeps PyTorch's default CPU threads",
+                  file=sys.stderr)
         if cfg.onecard.offload_layers:
             print(f"onecard: {args[1]} sets [onecard] offload_layers = {cfg.onecard.offload_layers}, which only the embedded "
                   "trainer runs: upstream's trainer recomputes those layers as its checkpointing says", file=sys.stderr)

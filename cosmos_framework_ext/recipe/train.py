@@ -54,7 +54,7 @@ from patches.core.host_arena import pinned_bytes_total
 from patches.core.runtime import GiB, agree_max, host_available, host_rss, median, rank_world, stable_hash
 from patches.core.sampler import MemorySampler
 from patches.core.summary import run_summary
-from patches.core.threads import background_threads
+from patches.core.threads import background_threads, cap_holds
 from patches.core.trainer import StepResult
 from patches.core.units import gib_or_mib
 
@@ -425,6 +425,7 @@ class CosmosSFT(skeleton.Recipe):
             check_varlen(self.cfg.onecard.attention, self.device.type, self.dtype)
         except ValueError as e:
             raise UserError(f"{self.cfg.source}: {e}") from None
+        self._resolve_background_threads()
         self._check_paths()
         self._resolve_schedule()
         job = self.cfg.job
@@ -493,6 +494,24 @@ class CosmosSFT(skeleton.Recipe):
                 power_ema_gamma(cfg.model.ema.rate)
         except ValueError as e:
             raise UserError(f"{cfg.source}: {e}") from None
+
+    def _resolve_background_threads(self) -> None:
+        """``[onecard] background_threads`` as each background thread's cap (:attr:`background_threads`; ``None``:
+        uncapped): the loader threads at work at once and, with lever 1, the EMA's host lerp share the cores. A cap
+        the OpenMP runtime does not take (another parallel backend, the runtime not found) is dropped, and the run
+        says so."""
+        setting = self.cfg.onecard.background_threads
+        try:
+            cap = background_threads(setting, PREFETCH_DEPTH + int(self.cfg.model.ema.enabled and self.ema_lever))
+        except ValueError as e:
+            raise UserError(f"{self.cfg.source}: [onecard] {e}") from None
+        if cap is not None and not cap_holds(cap):
+            if self.main_rank:
+                print(f"onecard: [onecard] background_threads = {json.dumps(setting)} not applied: PyTorch's CPU "
+                      "operators here do not run on an OpenMP runtime this process can set per thread; the background "
+                      "threads keep PyTorch's default", flush=True)
+            cap = None
+        self.background_threads = cap
 
     def _check_honoured(self) -> None:
         """:func:`~cosmos_framework_ext.recipe.config.check_honoured` for this run's ranks (the ledger command runs
@@ -780,9 +799,6 @@ class CosmosSFT(skeleton.Recipe):
         ema_cfg = self.cfg.model.ema
         self.gamma = 0.0
         self.ema_note = "off"
-        # each background thread's intra-op CPU threads: the loader threads at work at once, and the EMA's host lerp
-        self.background_threads = background_threads(self.cfg.onecard.background_threads,
-                                                     PREFETCH_DEPTH + int(ema_cfg.enabled and self.ema_lever))
         if ema_cfg.enabled:
             self.gamma = power_ema_gamma(ema_cfg.rate)
             placement = "cpu_subset" if self.ema_lever else "device"

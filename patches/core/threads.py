@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["background_threads", "cap_this_thread", "cores", "thread_pool"]
+__all__ = ["MAX_CAP", "background_threads", "cap_holds", "cap_this_thread", "cores", "thread_pool"]
 
+MAX_CAP = 2**31 - 1
+"""The largest cap: ``omp_set_num_threads`` takes a C ``int``."""
 _RUNTIMES = ("libgomp", "libiomp5", "libomp")
 """OpenMP runtimes ATen may be linked against (GNU, Intel, LLVM); each exports ``omp_set_num_threads``."""
 
@@ -36,29 +38,36 @@ def cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def _count(n: object) -> bool:
+    """Whether ``n`` is an ``int`` (not a ``bool``) of at least 1."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
 def background_threads(setting: int | str, busy_threads: int) -> int | None:
     """Intra-op threads for each of ``busy_threads`` background threads under ``setting``.
 
     Args:
         setting: ``"all"`` (no cap: PyTorch's default, one per core, for each), ``"auto"`` (the cores less two, for
-            the main thread and autograd's device thread, shared among the busy threads; at least 1), or a positive
-            count each.
-        busy_threads: background threads that may run CPU operators at once (>= 1).
+            the main thread and autograd's device thread, shared among the busy threads; at least 1), or a count each
+            from 1 to the cores (:func:`cores`: more would not cap the team but grow it past the cores).
+        busy_threads: background threads that may run CPU operators at once (an ``int`` >= 1).
 
     Returns:
         The cap for each, or ``None`` for no cap.
 
     Raises:
-        ValueError: a setting that is none of these (the config refuses it first), or ``busy_threads`` < 1.
+        ValueError: a setting that is none of these (the message names the cores), or a bad ``busy_threads``.
     """
-    if busy_threads < 1:
-        raise ValueError(f"busy_threads must be at least 1, not {busy_threads}")
+    if not _count(busy_threads):
+        raise ValueError(f"busy_threads must be an integer of at least 1, not {busy_threads!r}")
     if setting == "all":
         return None
     if setting == "auto":
         return max(1, (cores() - 2) // busy_threads)
-    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise ValueError(f"background threads must be \"all\", \"auto\" or a positive count, not {setting!r}")
+    if not _count(setting) or setting > cores():
+        raise ValueError(f"background_threads = {setting!r} is not \"all\", \"auto\" or a count from 1 to {cores()} "
+                         f"(the cores this process may run on; a larger team than the cores crowds them more, not less): "
+                         f"set \"auto\", or a count of at most {cores()}")
     return setting
 
 
@@ -96,19 +105,19 @@ def cap_this_thread(n: int | None) -> bool:
     itself would also change that process-wide value for every thread started afterwards.
 
     Args:
-        n: the cap (>= 1), or ``None``: leave the thread as it is.
+        n: the cap (an ``int`` from 1 to :data:`MAX_CAP`), or ``None``: leave the thread as it is.
 
     Returns:
         Whether the thread's operators now use at most ``n`` threads (``torch.get_num_threads()`` reads ``n`` in it);
-        ``False`` where ATen's backend is not OpenMP or its runtime was not found: the thread keeps the default.
+        ``False`` where ATen's backend is not OpenMP or its runtime was not found: the thread keeps its count.
 
     Raises:
-        ValueError: ``n`` < 1.
+        ValueError: ``n`` is not an ``int`` from 1 to :data:`MAX_CAP` (a ``bool`` is not a count).
     """
     if n is None:
         return False
-    if n < 1:
-        raise ValueError(f"an intra-op thread cap is at least 1, not {n}")
+    if not _count(n) or n > MAX_CAP:
+        raise ValueError(f"an intra-op thread cap is an integer from 1 to {MAX_CAP}, not {n!r}")
     torch.get_num_threads()  # ATen's once-per-thread initialisation, now, before the cap
     for setter in _setters():
         setter(n)
@@ -119,8 +128,22 @@ def cap_this_thread(n: int | None) -> bool:
 
 def thread_pool(workers: int, name: str, threads: int | None = None) -> concurrent.futures.ThreadPoolExecutor:
     """A ``ThreadPoolExecutor`` of ``workers`` threads named ``name-*``, each capped at ``threads`` intra-op threads
-    (:func:`cap_this_thread`); ``threads=None``: exactly the pool without a cap (no initializer)."""
+    (:func:`cap_this_thread`); ``threads=None``: exactly the pool without a cap (no initializer).
+
+    Raises:
+        ValueError: ``threads`` is not ``None`` or an ``int`` from 1 to :data:`MAX_CAP` (checked here, not in the
+            first thread the pool starts).
+    """
+    if threads is not None and (not _count(threads) or threads > MAX_CAP):
+        raise ValueError(f"an intra-op thread cap is an integer from 1 to {MAX_CAP}, not {threads!r}")
     if threads is None:
         return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
     return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name,
                                                  initializer=cap_this_thread, initargs=(threads,))
+
+
+def cap_holds(n: int) -> bool:
+    """Whether :func:`cap_this_thread` ``(n)`` takes in a new thread (a short-lived one, started and joined here):
+    ``False`` where ATen's backend is not OpenMP or its runtime was not found."""
+    with thread_pool(1, "onecard-cap-probe") as pool:
+        return pool.submit(lambda: cap_this_thread(n) and torch.get_num_threads() == n).result()

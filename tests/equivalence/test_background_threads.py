@@ -133,7 +133,7 @@ def test_the_cap_is_reported_as_held_or_not():
     held, n = got.result()
     assert held == (n == 1) and (held or not threads._setters())
     assert threads.cap_this_thread(None) is False
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="an integer from 1 to"):
         threads.cap_this_thread(0)
 
 
@@ -192,8 +192,9 @@ def test_the_trainer_counts_the_ema_worker_among_the_busy_threads(env, monkeypat
     assert json.loads((_job(env / "out") / "summary.json").read_text())["background_threads"] == cap
 
 
-@pytest.mark.parametrize("setting,busy,want", [("all", 3, None), (4, 3, 4), (1, 1, 1)])
-def test_the_count_each_background_thread_gets(setting, busy, want):
+@pytest.mark.parametrize("setting,busy,want", [("all", 3, None), (4, 3, 4), (1, 1, 1), (16, 3, 16)])
+def test_the_count_each_background_thread_gets(monkeypatch, setting, busy, want):
+    monkeypatch.setattr(threads, "cores", lambda: 16)
     assert threads.background_threads(setting, busy) == want
 
 
@@ -204,10 +205,54 @@ def test_auto_shares_the_cores_less_two(monkeypatch):
     assert threads.background_threads("auto", 3) == 1  # never below one
 
 
-@pytest.mark.parametrize("setting,busy", [(0, 3), (-2, 3), ("some", 3), (True, 3), (4, 0)])
-def test_a_count_that_means_nothing_is_refused(setting, busy):
+@pytest.mark.parametrize("setting,busy", [(0, 3), (-2, 3), ("some", 3), (True, 3), (17, 3), (2**31, 3), (4, 0),
+                                          (4, 2.5), (4, True)])
+def test_a_count_that_means_nothing_is_refused(monkeypatch, setting, busy):
+    monkeypatch.setattr(threads, "cores", lambda: 16)
     with pytest.raises(ValueError):
         threads.background_threads(setting, busy)
+
+
+@pytest.mark.parametrize("n", [0, -1, True, 1.5, "2", 2**31, 10**30])
+def test_a_cap_that_is_not_a_count_is_refused_before_any_thread_starts(n):
+    with pytest.raises(ValueError, match="an integer from 1 to 2147483647"):
+        threads.cap_this_thread(n)
+    with pytest.raises(ValueError, match="an integer from 1 to 2147483647"):
+        threads.thread_pool(1, "x", n)
+
+
+def test_the_trainer_refuses_more_threads_than_cores_before_any_work(env, monkeypatch, capsys):
+    monkeypatch.setattr(threads, "cores", lambda: 2)
+    toml = small_toml(env)
+    toml.write_text(_set(toml.read_text(), "3"))
+    rc, out, err = run_main(["--sft-toml", str(toml)], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ")
+    assert "[onecard] background_threads = 3" in lines[0] and 'set "auto", or a count of at most 2' in lines[0]
+    assert not (env / "out").exists()
+
+
+def test_a_cap_the_runtime_does_not_take_is_dropped_and_said(env, monkeypatch, capsys):
+    monkeypatch.setattr(threads, "_setters", lambda: ())  # no OpenMP runtime this process can set
+    toml = small_toml(env)
+    toml.write_text(_set(toml.read_text(), '"auto"'))
+    rc, out, err = run_main(["--sft-toml", str(toml), "--max-iter", "1"], capsys)
+    assert rc == 0, err
+    assert 'background_threads = "auto" not applied' in out
+    assert json.loads((_job(env / "out") / "summary.json").read_text())["background_threads"] is None
+
+
+def test_the_upstream_toml_copy_says_upstream_keeps_its_threads(tmp_path, capsys):
+    from cosmos_framework_ext.recipe import config as cfgmod
+
+    recipe = Path(__file__).resolve().parents[2] / "toml" / "vision_sft_edge_24gb.toml"
+    assert cfgmod._main(["upstream-toml", str(recipe), str(tmp_path / "a.toml")]) == 0
+    assert 'background_threads = "auto", which only the embedded trainer reads' in capsys.readouterr().err
+    assert "background_threads" not in (tmp_path / "a.toml").read_text()
+    src = tmp_path / "all.toml"
+    src.write_text(_set(recipe.read_text(), '"all"'))
+    assert cfgmod._main(["upstream-toml", str(src), str(tmp_path / "b.toml")]) == 0
+    assert "background_threads" not in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- planted
