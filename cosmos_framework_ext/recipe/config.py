@@ -345,12 +345,14 @@ class OnecardConfig:
     (cosmos_framework_ext.levers.text_kv_cache; proof tests/equivalence/test_text_kv_cache.py, exact to a stated fp32
     tolerance, not bitwise). Needs every text-stream weight and ``embed_tokens`` frozen (refused otherwise). The
     embedded trainer only."""
-    background_threads: int | Literal["all", "auto"] = dataclasses.field(default="all", metadata=meaning(ge=1))
+    background_threads: int | Literal["all", "auto"] = dataclasses.field(
+        default="all", metadata=meaning(ge=1, why='"all", "auto" or a count of at least 1 each'))
     """Intra-op CPU threads of each background thread of the training loop (the loader threads that build the next
     micro-batches' host inputs, the EMA's host lerp), so that their CPU operators leave cores to the thread that
     launches the GPU's work (patches.core.threads). ``"all"`` (default): PyTorch's default, one per core, for each.
-    ``"auto"``: the cores less two shared among the loader threads at work at once and the EMA worker. An integer:
-    that many each, from 1 to the cores this process may run on (more is refused). The same values whatever the count (proof tests/equivalence/test_background_threads.py).
+    ``"auto"``: on a GPU run, the cores less two shared among the loader threads at work at once and the EMA worker
+    (at least 1 each); on a CPU run no cap. An integer: that many each, from 1 to the cores this process may run on
+    (more is refused). The same values whatever the count (proof tests/equivalence/test_background_threads.py).
     The embedded trainer only."""
     keep_checkpoints: int = dataclasses.field(default=2, metadata=meaning(ge=0))
     """Checkpoints kept in ``<run dir>/checkpoints`` after each save, the new one included (0: all). Each edge-preset

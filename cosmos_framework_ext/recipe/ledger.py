@@ -43,6 +43,7 @@ from patches.core.runtime import GiB
 from cosmos_framework_ext.recipe import config as cfgmod
 from cosmos_framework_ext.recipe.config import SFTConfig
 from cosmos_framework_ext.levers.attention_varlen import check_varlen
+from patches.core.threads import background_threads
 from cosmos_framework_ext.levers.frozen_bf16 import check_with_ema
 from cosmos_framework_ext.levers.host_embeddings import check_host_embeddings
 from cosmos_framework_ext.levers.text_kv_cache import check_text_kv_cache, text_stream_params
@@ -192,7 +193,7 @@ def cosmos_ledger(
     Raises:
         ValueError: unknown preset, or ``keys_to_select`` empty / matching nothing; a setting the trainer refuses
             too (the lookup tables on the host, the detached text stream, the text K/V cache, ``attention = "varlen"`` computing in fp32
-            on a GPU).
+            on a GPU, more background threads than the cores).
         UserError: ``COSMOS_FROZEN_BF16=1`` with the stock device EMA (:func:`frozen_bf16.check_with_ema`), which
             the trainer refuses too.
     """
@@ -212,6 +213,10 @@ def cosmos_ledger(
     check_text_kv_cache(cfg.onecard.text_kv_cache, c["text_train"])  # the trainer's too
     check_offload_layers(cfg, preset_name, world_size, mixed, checkpoint_layers)  # the trainer's too
     check_varlen(cfg.onecard.attention, device_type, torch.bfloat16 if bf16 else torch.float32)  # the trainer's too
+    try:  # the trainer's too: a count of background threads above this machine's cores
+        background_threads(cfg.onecard.background_threads, 1, gpu=device_type == "cuda")
+    except ValueError as e:
+        raise ValueError(f"{cfg.source}: [onecard] {e}") from None
     cap = cap or cfg.dataloader_train.max_sequence_length
     at = _At(c=c, b=b, mb=mb, dt="bf16" if mb == 2 else "fp32", world=world_size, cuda=device_type == "cuda",
              tables_on_host=cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed)

@@ -497,12 +497,14 @@ class CosmosSFT(skeleton.Recipe):
 
     def _resolve_background_threads(self) -> None:
         """``[onecard] background_threads`` as each background thread's cap (:attr:`background_threads`; ``None``:
-        uncapped): the loader threads at work at once and, with lever 1, the EMA's host lerp share the cores. A cap
+        uncapped): the loader threads at work at once and, with lever 1, the EMA's host lerp share the cores
+        (``"auto"`` on a GPU run only: on the CPU it leaves them uncapped). A cap
         the OpenMP runtime does not take (another parallel backend, the runtime not found) is dropped, and the run
         says so."""
         setting = self.cfg.onecard.background_threads
         try:
-            cap = background_threads(setting, PREFETCH_DEPTH + int(self.cfg.model.ema.enabled and self.ema_lever))
+            cap = background_threads(setting, PREFETCH_DEPTH + int(self.cfg.model.ema.enabled and self.ema_lever),
+                                     gpu=self.device.type == "cuda")
         except ValueError as e:
             raise UserError(f"{self.cfg.source}: [onecard] {e}") from None
         if cap is not None and not cap_holds(cap):

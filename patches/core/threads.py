@@ -43,14 +43,18 @@ def _count(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
 
-def background_threads(setting: int | str, busy_threads: int) -> int | None:
+def background_threads(setting: int | str, busy_threads: int, gpu: bool = True) -> int | None:
     """Intra-op threads for each of ``busy_threads`` background threads under ``setting``.
 
     Args:
-        setting: ``"all"`` (no cap: PyTorch's default, one per core, for each), ``"auto"`` (the cores less two, for
-            the main thread and autograd's device thread, shared among the busy threads; at least 1), or a count each
-            from 1 to the cores (:func:`cores`: more would not cap the team but grow it past the cores).
+        setting: ``"all"`` (no cap: PyTorch's default, one per core, for each), ``"auto"`` (on a GPU run, the cores
+            less two, for the main thread and autograd's device thread, shared among the busy threads, at least 1;
+            on a CPU run no cap), or a count each from 1 to the cores (:func:`cores`: more would not cap the team
+            but grow it past the cores).
         busy_threads: background threads that may run CPU operators at once (an ``int`` >= 1).
+        gpu: whether the run computes on a GPU. Without one the main thread's own operators are the work, and a
+            cap leaves the OpenMP team of the main thread spinning on cores the capped threads no longer claim
+            (measured: a CPU smoke 10 times slower per micro-batch on a loaded 2-core machine).
 
     Returns:
         The cap for each, or ``None`` for no cap.
@@ -63,7 +67,7 @@ def background_threads(setting: int | str, busy_threads: int) -> int | None:
     if setting == "all":
         return None
     if setting == "auto":
-        return max(1, (cores() - 2) // busy_threads)
+        return max(1, (cores() - 2) // busy_threads) if gpu else None
     if not _count(setting) or setting > cores():
         raise ValueError(f"background_threads = {setting!r} is not \"all\", \"auto\" or a count from 1 to {cores()} "
                          f"(the cores this process may run on; a larger team than the cores crowds them more, not less): "

@@ -50,7 +50,7 @@ def _job(out: Path) -> Path:
     return out / "cosmos3" / "sft" / "vision_sft_edge_24gb"
 
 
-def _run(env_dir: Path, monkeypatch, capsys, name: str, setting: str) -> dict:
+def _run(env_dir: Path, monkeypatch, capsys, name: str, setting: str | int) -> dict:
     toml = small_toml(env_dir, **{"cpu_grad_accum_iter     = 1": "cpu_grad_accum_iter     = 2"})
     text = _set(toml.read_text(), json.dumps(setting))
     toml.write_text(text)
@@ -105,8 +105,8 @@ def test_capped_background_threads_train_the_same(env, monkeypatch, capsys, coun
     assert ref["background_threads"] is None
     assert {n for n, _ in counts["load"] + counts["lerp"]} == {main_before}  # uncapped: the default each
     counts["load"].clear(), counts["lerp"].clear()
-    capped = _run(env, monkeypatch, capsys, "auto", "auto")
-    cap = threads.background_threads("auto", train.PREFETCH_DEPTH + 1)
+    capped = _run(env, monkeypatch, capsys, "one", 1)  # a CPU run: "auto" would leave the threads uncapped
+    cap = 1
     assert capped["background_threads"] == cap < main_before
     assert counts["load"] and counts["lerp"] and {n for n, _ in counts["load"] + counts["lerp"]} == {cap}
     assert threading.get_ident() not in {t for _, t in counts["load"] + counts["lerp"]}  # background threads only
@@ -180,10 +180,17 @@ def test_the_openmp_runtime_is_found_where_aten_uses_openmp():
     assert bool(found) == ("parallel backend: OpenMP" in torch.__config__.parallel_info())
 
 
+def _as_on_a_gpu(monkeypatch):
+    """The trainer resolves ``"auto"`` as on a GPU run (this CPU run's own threads are not touched otherwise)."""
+    real = threads.background_threads
+    monkeypatch.setattr(train, "background_threads", lambda setting, busy, gpu: real(setting, busy, gpu=True))
+
+
 @pytest.mark.parametrize("ema_lever,cap", [("1", 3), ("0", 4)])
 def test_the_trainer_counts_the_ema_worker_among_the_busy_threads(env, monkeypatch, capsys, ema_lever, cap):
     monkeypatch.setattr(threads, "cores", lambda: 11)  # "auto": 9 cores for 2 loader threads (+ the EMA's worker)
     monkeypatch.setattr(train, "PREFETCH_DEPTH", 2)
+    _as_on_a_gpu(monkeypatch)
     toml = small_toml(env)
     toml.write_text(_set(toml.read_text(), '"auto"'))
     monkeypatch.setenv("COSMOS_EMA_CPU_SUBSET", ema_lever)
@@ -196,6 +203,26 @@ def test_the_trainer_counts_the_ema_worker_among_the_busy_threads(env, monkeypat
 def test_the_count_each_background_thread_gets(monkeypatch, setting, busy, want):
     monkeypatch.setattr(threads, "cores", lambda: 16)
     assert threads.background_threads(setting, busy) == want
+
+
+def test_auto_leaves_a_cpu_run_uncapped(env, monkeypatch, capsys):
+    assert threads.background_threads("auto", 3, gpu=False) is None
+    toml = small_toml(env)
+    toml.write_text(_set(toml.read_text(), '"auto"'))
+    rc, out, err = run_main(["--sft-toml", str(toml), "--max-iter", "1"], capsys)
+    assert rc == 0, err
+    assert json.loads((_job(env / "out") / "summary.json").read_text())["background_threads"] is None
+
+
+def test_the_ledger_refuses_what_the_trainer_refuses(tmp_path, monkeypatch):
+    from cosmos_framework_ext.recipe import config as cfgmod, ledger
+
+    monkeypatch.setattr(threads, "cores", lambda: 2)
+    recipe = Path(__file__).resolve().parents[2] / "toml" / "vision_sft_edge_24gb.toml"
+    toml = tmp_path / "r.toml"
+    toml.write_text(_set(recipe.read_text(), "3"))
+    with pytest.raises(ValueError, match=r"\[onecard\] background_threads = 3 is not .* a count of at most 2"):
+        ledger.cosmos_ledger(cfgmod.load(toml), "tiny", {}, device_type="cpu")
 
 
 def test_auto_shares_the_cores_less_two(monkeypatch):
@@ -235,10 +262,10 @@ def test_the_trainer_refuses_more_threads_than_cores_before_any_work(env, monkey
 def test_a_cap_the_runtime_does_not_take_is_dropped_and_said(env, monkeypatch, capsys):
     monkeypatch.setattr(threads, "_setters", lambda: ())  # no OpenMP runtime this process can set
     toml = small_toml(env)
-    toml.write_text(_set(toml.read_text(), '"auto"'))
+    toml.write_text(_set(toml.read_text(), "1"))
     rc, out, err = run_main(["--sft-toml", str(toml), "--max-iter", "1"], capsys)
     assert rc == 0, err
-    assert 'background_threads = "auto" not applied' in out
+    assert "background_threads = 1 not applied" in out
     assert json.loads((_job(env / "out") / "summary.json").read_text())["background_threads"] is None
 
 
@@ -279,8 +306,8 @@ def test_planted_an_uncapped_ema_worker_is_seen(env, monkeypatch, capsys, counts
         real(self, model, **kw)
 
     monkeypatch.setattr(emamod.EMA, "__init__", uncapped)
-    _run(env, monkeypatch, capsys, "auto", "auto")
-    assert {n for n, _ in counts["lerp"]} != {threads.background_threads("auto", train.PREFETCH_DEPTH + 1)}
+    _run(env, monkeypatch, capsys, "one", 1)
+    assert {n for n, _ in counts["lerp"]} != {1}
 
 
 @pytest.mark.parametrize("value,message", [("0", "must be >= 1"), ("-1", "must be >= 1"),
