@@ -208,15 +208,7 @@ def cosmos_ledger(
     frozen_lever = flags.get(FROZEN_BF16.name, False) and mixed
     check_with_ema(frozen_lever, ema_on, ema_lever)  # the trainer's own refusal, so DRYRUN does not price it
     c = _counts(preset_name, cfg.optimizer.keys_to_select)  # builds the model on the meta device (seconds)
-    check_host_embeddings(cfg.onecard.host_embeddings, c["tables_train"], world_size, mixed)  # the trainer's too
-    check_text_stream(cfg.onecard.detach_text_stream, c["tables_train"])  # the trainer's too
-    check_text_kv_cache(cfg.onecard.text_kv_cache, c["text_train"])  # the trainer's too
-    check_offload_layers(cfg, preset_name, world_size, mixed, checkpoint_layers)  # the trainer's too
-    check_varlen(cfg.onecard.attention, device_type, torch.bfloat16 if bf16 else torch.float32)  # the trainer's too
-    try:  # the trainer's too: a count of background threads above this machine's cores
-        background_threads(cfg.onecard.background_threads, 1, gpu=device_type == "cuda")
-    except ValueError as e:
-        raise ValueError(f"{cfg.source}: [onecard] {e}") from None
+    _check_as_the_trainer(cfg, c, preset_name, world_size, mixed, checkpoint_layers, device_type, bf16)
     cap = cap or cfg.dataloader_train.max_sequence_length
     at = _At(c=c, b=b, mb=mb, dt="bf16" if mb == 2 else "fp32", world=world_size, cuda=device_type == "cuda",
              tables_on_host=cfg.onecard.host_embeddings and device_type == "cuda" and world_size == 1 and not mixed)
@@ -245,6 +237,26 @@ def cosmos_ledger(
     # one checkpoint file: full net (stored dtype), net_ema fp32 for every net key, AdamW moments of the trainable subset
     ckpt = c["all"] * mb + c["buffers"] + (c["all"] * 4 if ema_on else 0) + c["train"] * 2 * mb + c["train_tensors"] * 8
     return Ledger(title, items, outside, checkpoint_bytes=ckpt)
+
+
+def _check_as_the_trainer(cfg: SFTConfig, c: dict[str, int], preset_name: str, world_size: int, mixed: bool,
+                          checkpoint_layers: int | None, device_type: str, bf16: bool) -> None:
+    """The settings the trainer refuses, refused here too, so that DRYRUN prices no run the trainer would not start.
+
+    Raises:
+        ValueError: the lookup tables on the host, the detached text stream or the text K/V cache with a trainable
+            weight they need frozen; offloaded layers the trainer refuses; ``attention = "varlen"`` in fp32 on a GPU;
+            more background threads than the cores.
+    """
+    check_host_embeddings(cfg.onecard.host_embeddings, c["tables_train"], world_size, mixed)
+    check_text_stream(cfg.onecard.detach_text_stream, c["tables_train"])
+    check_text_kv_cache(cfg.onecard.text_kv_cache, c["text_train"])
+    check_offload_layers(cfg, preset_name, world_size, mixed, checkpoint_layers)
+    check_varlen(cfg.onecard.attention, device_type, torch.bfloat16 if bf16 else torch.float32)
+    try:
+        background_threads(cfg.onecard.background_threads, 1, gpu=device_type == "cuda")
+    except ValueError as e:
+        raise ValueError(f"{cfg.source}: [onecard] {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)

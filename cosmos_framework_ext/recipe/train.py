@@ -54,7 +54,7 @@ from patches.core.host_arena import pinned_bytes_total
 from patches.core.runtime import GiB, agree_max, host_available, host_rss, median, rank_world, stable_hash
 from patches.core.sampler import MemorySampler
 from patches.core.summary import run_summary
-from patches.core.threads import background_threads, cap_holds
+from patches.core.threads import background_threads, cap_holds, cores
 from patches.core.trainer import StepResult
 from patches.core.units import gib_or_mib
 
@@ -1009,7 +1009,7 @@ class CosmosSFT(skeleton.Recipe):
             return batch, None, None
 
         self._it = prefetched(enumerate(it, start=self.consumed), cached if self.latents is not None else decoded,
-                              workers=max(1, min(8, (os.cpu_count() or 2) - 1)), depth=PREFETCH_DEPTH,
+                              workers=max(1, min(8, cores() - 1)), depth=PREFETCH_DEPTH,
                               threads=self.background_threads)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

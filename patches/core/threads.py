@@ -43,6 +43,12 @@ def _count(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
 
+def _check_cap(n: object) -> None:
+    """Refuse a cap that is not an ``int`` from 1 to :data:`MAX_CAP` (``ValueError``)."""
+    if not _count(n) or n > MAX_CAP:
+        raise ValueError(f"an intra-op thread cap is an integer from 1 to {MAX_CAP}, not {n!r}")
+
+
 def background_threads(setting: int | str, busy_threads: int, gpu: bool = True) -> int | None:
     """Intra-op threads for each of ``busy_threads`` background threads under ``setting``.
 
@@ -120,8 +126,7 @@ def cap_this_thread(n: int | None) -> bool:
     """
     if n is None:
         return False
-    if not _count(n) or n > MAX_CAP:
-        raise ValueError(f"an intra-op thread cap is an integer from 1 to {MAX_CAP}, not {n!r}")
+    _check_cap(n)
     torch.get_num_threads()  # ATen's once-per-thread initialisation, now, before the cap
     for setter in _setters():
         setter(n)
@@ -138,10 +143,9 @@ def thread_pool(workers: int, name: str, threads: int | None = None) -> concurre
         ValueError: ``threads`` is not ``None`` or an ``int`` from 1 to :data:`MAX_CAP` (checked here, not in the
             first thread the pool starts).
     """
-    if threads is not None and (not _count(threads) or threads > MAX_CAP):
-        raise ValueError(f"an intra-op thread cap is an integer from 1 to {MAX_CAP}, not {threads!r}")
     if threads is None:
         return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+    _check_cap(threads)
     return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name,
                                                  initializer=cap_this_thread, initargs=(threads,))
 
@@ -150,4 +154,4 @@ def cap_holds(n: int) -> bool:
     """Whether :func:`cap_this_thread` ``(n)`` takes in a new thread (a short-lived one, started and joined here):
     ``False`` where ATen's backend is not OpenMP or its runtime was not found."""
     with thread_pool(1, "onecard-cap-probe") as pool:
-        return pool.submit(lambda: cap_this_thread(n) and torch.get_num_threads() == n).result()
+        return pool.submit(cap_this_thread, n).result()
